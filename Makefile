@@ -1,0 +1,37 @@
+# Hangar on one machine. `make up` installs what is missing and runs Hangar; `make test` runs the tests.
+SHELL := /bin/bash
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PORT ?= 8000
+
+.PHONY: up install system-deps venv test lint bench-tti services
+
+up: install
+	$(VENV)/bin/hangar image build busybox
+	$(VENV)/bin/hangar up --port $(PORT)
+
+install: system-deps venv
+
+system-deps:
+	@scripts/install-system-deps.sh
+
+venv: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	@test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[test]'
+	@touch $@
+
+services:
+	@scripts/ensure-test-services.sh
+
+test: install services
+	@scripts/run-tests.sh
+
+lint: venv
+	$(VENV)/bin/ruff check dashboard runtime tests bench
+	$(VENV)/bin/ruff format --check dashboard runtime tests bench
+
+bench-tti: install
+	$(PY) bench/tti.py

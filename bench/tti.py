@@ -1,0 +1,278 @@
+#!/usr/bin/env python3
+"""Time to interactive: raw runsc against Hangar's API, in one run.
+
+(a) raw: `runsc run --detach` of the busybox bundle, then `runsc exec … echo ok`;
+(b) Hangar: `POST /sandboxes` (wait) then `POST /sandboxes/{id}/exec` `echo ok`, N times one
+    after another, then N at once;
+(c) exec on a running sandbox through the API, and through the launcher directly;
+(d) resident memory of an idle sandbox (every runsc process of that sandbox).
+
+Starts its own `hangar up` on the embedded default in a temporary data dir unless --url and
+--token point at a running Hangar. Prints a table and writes JSON (default bench/results/tti.json).
+Needs root and runsc.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from runtime.launchers.images import ImageStore  # noqa: E402
+
+
+def pct(values: list[float], p: float) -> float:
+    ordered = sorted(values)
+    k = max(0, min(len(ordered) - 1, round(p / 100 * (len(ordered) - 1))))
+    return ordered[k]
+
+
+def summary(values: list[float]) -> dict[str, float]:
+    return {
+        "n": len(values),
+        "median_s": statistics.median(values),
+        "p95_s": pct(values, 95),
+        "min_s": min(values),
+        "max_s": max(values),
+    }
+
+
+# -- (a) raw runsc ----------------------------------------------------------------------------
+
+
+def raw_runsc(n: int, work: Path) -> list[float]:
+    store = ImageStore(work / "images")
+    rootfs = store.build_busybox().rootfs
+    bundle = work / "bundle"
+    bundle.mkdir(exist_ok=True)
+    subprocess.run(["runsc", "spec"], cwd=bundle, check=True)
+    spec = json.loads((bundle / "config.json").read_text())
+    spec["process"]["args"] = ["/bin/sleep", "3600"]
+    spec["process"]["terminal"] = False
+    spec["root"] = {"path": str(rootfs), "readonly": True}
+    (bundle / "config.json").write_text(json.dumps(spec))
+    root = work / "runsc-root"
+    times = []
+    for _ in range(n):
+        cid = "raw" + uuid.uuid4().hex[:10]
+        start = time.perf_counter()
+        subprocess.run(
+            ["runsc", "--root", str(root), "--network=none", "run", "--detach", "--bundle", str(bundle), cid],
+            check=True, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, start_new_session=True,
+        )  # fmt: skip
+        out = subprocess.run(
+            ["runsc", "--root", str(root), "exec", cid, "echo", "ok"], capture_output=True, check=True
+        )
+        times.append(time.perf_counter() - start)
+        assert out.stdout == b"ok\n"
+        subprocess.run(["runsc", "--root", str(root), "kill", cid, "KILL"], capture_output=True)
+        subprocess.run(["runsc", "--root", str(root), "delete", "--force", cid], capture_output=True)
+    return times
+
+
+# -- (b) Hangar through the API ---------------------------------------------------------------
+
+
+def hangar_once(api: httpx.Client, created: list[str]) -> float:
+    start = time.perf_counter()
+    r = api.post("/sandboxes", json={"image": "busybox", "memory_mb": 256, "cpu": 0.5, "timeout_s": 600})
+    sb = r.json()
+    if r.status_code != 201 or sb.get("status") != "running":
+        raise RuntimeError(f"create failed: {r.status_code} {r.text}")
+    out = api.post(f"/sandboxes/{sb['id']}/exec", json={"cmd": ["echo", "ok"]}).json()
+    elapsed = time.perf_counter() - start
+    assert out["stdout"] == "ok\n", out
+    created.append(sb["id"])
+    return elapsed
+
+
+def hangar_sequential(api: httpx.Client, n: int, created: list[str]) -> list[float]:
+    return [hangar_once(api, created) for _ in range(n)]
+
+
+def hangar_concurrent(url: str, token: str, n: int, created: list[str]) -> list[float]:
+    times: list[float] = []
+    errors: list[BaseException] = []
+    barrier = threading.Barrier(n)
+
+    def one() -> None:
+        with client(url, token) as api:
+            barrier.wait()
+            try:
+                times.append(hangar_once(api, created))
+            except BaseException as exc:  # reported below
+                errors.append(exc)
+
+    threads = [threading.Thread(target=one) for _ in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise RuntimeError(f"{len(errors)} concurrent creates failed: {errors[0]}")
+    return times
+
+
+def exec_latency(api: httpx.Client, sandbox_id: str, n: int) -> list[float]:
+    times = []
+    for _ in range(n):
+        start = time.perf_counter()
+        out = api.post(f"/sandboxes/{sandbox_id}/exec", json={"cmd": ["echo", "ok"]}).json()
+        times.append(time.perf_counter() - start)
+        assert out["stdout"] == "ok\n"
+    return times
+
+
+def launcher_exec_latency(data_dir: Path, sandbox_id: str, n: int) -> list[float]:
+    from runtime.launchers.agent_client import AgentClient
+
+    sock = data_dir / "runtime" / "gvisor" / "sandboxes" / sandbox_id / "run" / "agent.sock"
+    agent = AgentClient(sock)
+    times = []
+    for _ in range(n):
+        start = time.perf_counter()
+        r = agent.exec(["echo", "ok"])
+        times.append(time.perf_counter() - start)
+        assert r.stdout == b"ok\n"
+    return times
+
+
+def idle_rss_mb(sandbox_id: str) -> float:
+    total = 0
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            if sandbox_id.encode() not in cmdline:
+                continue
+            for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+                if line.startswith("VmRSS:"):
+                    total += int(line.split()[1])
+        except OSError:
+            continue
+    return total / 1024
+
+
+def client(url: str, token: str) -> httpx.Client:
+    return httpx.Client(base_url=f"{url}/api/v1", headers={"Authorization": f"Bearer {token}"}, timeout=120)
+
+
+def start_hangar(data_dir: Path, port: int) -> tuple[subprocess.Popen[str], str]:
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("DATABASE_URL", "REDIS_URL", "DJANGO_SETTINGS_MODULE")
+    }
+    env.update(HANGAR_DATA_DIR=str(data_dir), PYTHONUNBUFFERED="1")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "dashboard.cli", "up", "--port", str(port)],
+        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    token = ""
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        if "API token" in line:
+            token = line.split(": ", 1)[1].strip()
+        if "Press Ctrl-C" in line:
+            break
+    threading.Thread(target=lambda: [None for _ in proc.stdout], daemon=True).start()  # type: ignore[union-attr]
+    if not token:
+        raise RuntimeError("hangar up did not print an API token")
+    return proc, token
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("-n", type=int, default=20)
+    parser.add_argument("--url")
+    parser.add_argument("--token")
+    parser.add_argument("--port", type=int, default=8765)
+    parser.add_argument("--json", default=str(ROOT / "bench" / "results" / "tti.json"))
+    args = parser.parse_args()
+
+    work = Path(tempfile.mkdtemp(prefix="hangar-bench-"))
+    proc = None
+    results: dict[str, object] = {"n": args.n, "cpus": os.cpu_count(), "runsc": subprocess.run(
+        ["runsc", "--version"], capture_output=True, text=True).stdout.splitlines()[0]}  # fmt: skip
+    try:
+        print(f"raw runsc: {args.n} × (run --detach + exec echo ok)…", flush=True)
+        raw = raw_runsc(args.n, work)
+        url, token = args.url, args.token
+        if not url:
+            proc, token = start_hangar(work / "data", args.port)
+            url = f"http://127.0.0.1:{args.port}"
+        created: list[str] = []
+        with client(url, token) as api:
+            hangar_once(api, created)  # warm-up: first-use costs (agent build, caches) are not TTI
+            print(f"hangar: {args.n} sequential creates + exec…", flush=True)
+            seq = hangar_sequential(api, args.n, created)
+            for sid in created:
+                api.delete(f"/sandboxes/{sid}")
+            created.clear()
+            print(f"hangar: {args.n} concurrent creates + exec…", flush=True)
+            conc = hangar_concurrent(url, token, args.n, created)
+            for sid in created:
+                api.delete(f"/sandboxes/{sid}")
+            created.clear()
+            hangar_once(api, created)
+            sid = created[0]
+            print("exec latency on a running sandbox…", flush=True)
+            api_exec = exec_latency(api, sid, 200)
+            direct_exec = launcher_exec_latency(work / "data", sid, 200) if not args.url else []
+            time.sleep(2)
+            rss = idle_rss_mb(sid)
+            api.delete(f"/sandboxes/{sid}")
+        results.update(
+            raw_runsc=summary(raw), hangar_sequential=summary(seq), hangar_concurrent=summary(conc),
+            api_exec=summary(api_exec), agent_exec=summary(direct_exec) if direct_exec else None,
+            idle_sandbox_rss_mb=rss,
+            ratio_sequential_median=statistics.median(seq) / statistics.median(raw),
+        )  # fmt: skip
+    finally:
+        if proc is not None:
+            proc.send_signal(signal.SIGINT)
+            proc.wait(60)
+        shutil.rmtree(work, ignore_errors=True)
+
+    def row(name: str, s: dict[str, float] | None, unit: float = 1.0, label: str = "s") -> str:
+        if not s:
+            return f"| {name} | – | – | – |"
+        return f"| {name} | {s['median_s'] * unit:.3f} {label} | {s['p95_s'] * unit:.3f} {label} | {s['n']} |"
+
+    print()
+    print("| measure | median | p95 | n |")
+    print("| --- | --- | --- | --- |")
+    print(row("raw runsc: run --detach + exec", results["raw_runsc"]))  # type: ignore[arg-type]
+    print(row("Hangar API: create (wait) + exec, sequential", results["hangar_sequential"]))  # type: ignore[arg-type]
+    print(row(f"Hangar API: create (wait) + exec, {args.n} at once", results["hangar_concurrent"]))  # type: ignore[arg-type]
+    print(row("exec on a running sandbox, through the API", results["api_exec"], 1000, "ms"))  # type: ignore[arg-type]
+    print(row("exec on a running sandbox, agent socket", results["agent_exec"], 1000, "ms"))  # type: ignore[arg-type]
+    print(f"| idle sandbox RSS (all runsc processes) | {results['idle_sandbox_rss_mb']:.1f} MB | | 1 |")
+    print(f"\nHangar / raw (sequential medians): {results['ratio_sequential_median']:.2f}×")
+    out = Path(args.json)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=2))
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,220 @@
+"""/api/v1/sandboxes: create, inspect, exec, files, delete."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterator
+from datetime import datetime
+from typing import Any
+
+from django.conf import settings
+from django.http import HttpRequest, StreamingHttpResponse
+from ninja import Query, Router, Schema
+from pydantic import Field
+
+from runtime.models import Sandbox, SandboxEvent
+from runtime.services import sandboxes as svc
+
+from .blocking import blocking
+
+router = Router(tags=["sandboxes"])
+
+
+class SandboxIn(Schema):
+    image: str = Field(min_length=1, max_length=300)
+    runtime: str = "gvisor"
+    cpu: float = 1.0
+    memory_mb: int = 512
+    timeout_s: int = 300
+    env: dict[str, str] = {}
+    metadata: dict[str, Any] = {}
+    wait: bool = True
+
+
+class SandboxOut(Schema):
+    id: str
+    status: str
+    status_reason: str
+    image: str
+    image_digest: str
+    runtime: str
+    node: str | None
+    cpu: float
+    memory_mb: int
+    timeout_s: int
+    created_at: datetime
+    started_at: datetime | None
+    stopped_at: datetime | None
+    expires_at: datetime | None
+    metadata: dict[str, Any]
+
+    @staticmethod
+    def resolve_node(obj: Sandbox) -> str | None:
+        return obj.node.name if obj.node else None
+
+
+class ExecIn(Schema):
+    cmd: str | list[str]
+    cwd: str | None = None
+    env: dict[str, str] = {}
+    stdin: str | None = None
+    timeout_s: float = 60
+
+
+class ExecOut(Schema):
+    id: int
+    exit_code: int
+    stdout: str
+    stderr: str
+    duration_ms: float
+    timed_out: bool
+    truncated: bool
+
+
+class FileEntryOut(Schema):
+    name: str
+    path: str
+    type: str
+    size: int
+    mode: int
+    mtime: float
+
+
+class EventOut(Schema):
+    id: int
+    kind: str
+    status_from: str
+    status_to: str
+    message: str
+    data: dict[str, Any]
+    created_at: datetime
+
+
+class StatusFilter(Schema):
+    status: str | None = None
+
+
+class PathQuery(Schema):
+    path: str
+
+
+def _team(request: HttpRequest):
+    return request.auth.team  # type: ignore[attr-defined]
+
+
+def _get(request: HttpRequest, sandbox_id: str) -> Sandbox:
+    return svc.sandbox_get(team=_team(request), sandbox_id=sandbox_id)
+
+
+@router.post("", response={201: SandboxOut})
+async def create_sandbox(request: HttpRequest, payload: SandboxIn):
+    """Start a sandbox from an image. With `wait` (default) it answers once the sandbox is running
+    or has failed (the reason is in `status_reason`)."""
+
+    def create() -> Sandbox:
+        sandbox = svc.sandbox_create(
+            team=_team(request), user=request.auth.user, image=payload.image,  # type: ignore[attr-defined]
+            runtime=payload.runtime, cpu=payload.cpu, memory_mb=payload.memory_mb,
+            timeout_s=payload.timeout_s, env=payload.env, metadata=payload.metadata,
+        )  # fmt: skip
+        if payload.wait:
+            sandbox = svc.sandbox_wait(sandbox=sandbox, timeout=settings.HANGAR_CREATE_WAIT_S)
+        return Sandbox.objects.select_related("node").get(id=sandbox.id)
+
+    return 201, await blocking(create)()
+
+
+@router.get("", response=list[SandboxOut])
+async def list_sandboxes(request: HttpRequest, filters: Query[StatusFilter]):
+    """The caller's team's sandboxes, newest first (deleted ones only with `?status=deleted`)."""
+    return await blocking(
+        lambda: list(svc.sandboxes_for_team(team=_team(request), status=filters.status)[:1000])
+    )()
+
+
+@router.get("/{sandbox_id}", response=SandboxOut)
+async def get_sandbox(request: HttpRequest, sandbox_id: str):
+    return await blocking(_get)(request, sandbox_id)
+
+
+@router.delete("/{sandbox_id}", response={204: None})
+async def delete_sandbox(request: HttpRequest, sandbox_id: str):
+    """Stop and destroy the sandbox. Its row stays, with status `deleted`."""
+
+    def delete() -> None:
+        svc.sandbox_delete(sandbox=_get(request, sandbox_id), reason="deleted through the API")
+
+    await blocking(delete)()
+    return 204, None
+
+
+@router.post("/{sandbox_id}/exec", response=ExecOut)
+async def exec_command(request: HttpRequest, sandbox_id: str, payload: ExecIn):
+    """Run a command to completion. A string runs under `/bin/sh -c`; a list is the argv."""
+
+    def run() -> ExecOut:
+        outcome = svc.sandbox_exec(
+            sandbox=_get(request, sandbox_id), cmd=payload.cmd, cwd=payload.cwd, env=payload.env,
+            stdin=payload.stdin.encode() if payload.stdin is not None else None,
+            timeout_s=payload.timeout_s, user=request.auth.user,  # type: ignore[attr-defined]
+        )  # fmt: skip
+        r = outcome.result
+        return ExecOut(
+            id=outcome.exec.id, exit_code=r.exit_code, stdout=r.stdout.decode("utf-8", errors="replace"),
+            stderr=r.stderr.decode("utf-8", errors="replace"), duration_ms=round(r.duration_ms, 3),
+            timed_out=r.timed_out, truncated=r.truncated,
+        )  # fmt: skip
+
+    return await blocking(run)()
+
+
+class WrittenOut(Schema):
+    path: str
+    size: int
+
+
+@router.put("/{sandbox_id}/files", response=WrittenOut)
+async def put_file(request: HttpRequest, sandbox_id: str, q: Query[PathQuery]):
+    """Write the raw request body to `path` inside the sandbox (parents are created; an existing
+    file is replaced atomically)."""
+
+    def write() -> WrittenOut:
+        size = svc.sandbox_file_write(sandbox=_get(request, sandbox_id), path=q.path, data=request.body)
+        return WrittenOut(path=q.path, size=size)
+
+    return await blocking(write)()
+
+
+@router.get("/{sandbox_id}/files")
+async def get_file(request: HttpRequest, sandbox_id: str, q: Query[PathQuery]):
+    """The raw bytes of the file at `path` inside the sandbox, streamed."""
+    entry, chunks = await blocking(
+        lambda: svc.sandbox_file_read(sandbox=_get(request, sandbox_id), path=q.path)
+    )()
+    response = StreamingHttpResponse(_aiter(chunks), content_type="application/octet-stream")
+    response["Content-Length"] = str(entry.size)
+    response["Content-Disposition"] = f'attachment; filename="{entry.name or "file"}"'
+    return response
+
+
+async def _aiter(chunks: Iterator[bytes]) -> AsyncIterator[bytes]:
+    sentinel = object()
+    next_chunk = blocking(lambda: next(chunks, sentinel))
+    while (chunk := await next_chunk()) is not sentinel:
+        yield chunk  # type: ignore[misc]
+
+
+@router.get("/{sandbox_id}/files/list", response=list[FileEntryOut])
+async def list_files(request: HttpRequest, sandbox_id: str, q: Query[PathQuery]):
+    """Entries of the directory at `path` inside the sandbox; symlinks are listed, not followed."""
+    entries = await blocking(lambda: svc.sandbox_file_list(sandbox=_get(request, sandbox_id), path=q.path))()
+    return [FileEntryOut(**e.__dict__) for e in entries]
+
+
+@router.get("/{sandbox_id}/events", response=list[EventOut])
+async def list_events(request: HttpRequest, sandbox_id: str):
+    """What happened to the sandbox, oldest first."""
+
+    def events() -> list[SandboxEvent]:
+        return list(_get(request, sandbox_id).events.all()[:1000])
+
+    return await blocking(events)()

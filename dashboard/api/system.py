@@ -1,0 +1,62 @@
+from __future__ import annotations
+
+from django.db import connection
+from django.http import HttpRequest
+from ninja import Router, Schema
+
+from runtime.notify import redis_client
+from runtime.services.nodes import nodes_with_usage
+
+router = Router(tags=["system"])
+
+
+class NodeOut(Schema):
+    name: str
+    status: str
+    runtimes: list[str]
+    cpu_capacity: float
+    memory_mb_capacity: int
+    sandboxes: int
+    cpu_used: float
+    memory_mb_used: int
+    heartbeat_at: str | None
+
+
+class HealthOut(Schema):
+    status: str
+    database: str
+    redis: str
+    nodes: list[NodeOut]
+
+
+@router.get("/health", response={200: HealthOut, 503: HealthOut}, auth=None)
+def health(request: HttpRequest):
+    """Liveness of the control plane, its database and Redis, and each node's last heartbeat."""
+    db = redis = "ok"
+    nodes: list[NodeOut] = []
+    try:
+        connection.ensure_connection()
+        nodes = [
+            NodeOut(
+                name=n.name,
+                status=n.status,
+                runtimes=n.runtimes,
+                cpu_capacity=n.cpu_capacity,
+                memory_mb_capacity=n.memory_mb_capacity,
+                sandboxes=n.sandbox_count or 0,
+                cpu_used=n.cpu_used or 0,
+                memory_mb_used=n.memory_used or 0,
+                heartbeat_at=n.heartbeat_at.isoformat() if n.heartbeat_at else None,
+            )  # fmt: skip
+            for n in nodes_with_usage()
+        ]
+    except Exception as exc:  # health must answer, whatever is broken
+        db = f"error: {type(exc).__name__}"
+    try:
+        redis_client().ping()
+    except Exception as exc:
+        redis = f"error: {type(exc).__name__}"
+    ok = db == "ok" and redis == "ok"
+    return (200 if ok else 503), HealthOut(
+        status="ok" if ok else "degraded", database=db, redis=redis, nodes=nodes
+    )

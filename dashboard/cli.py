@@ -1,0 +1,324 @@
+"""The ``hangar`` command: run Hangar on one machine, join nodes, manage tokens and images."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from django.core.exceptions import ImproperlyConfigured
+
+
+def _setup_django() -> Any:
+    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "dashboard.settings")
+    import django
+
+    django.setup()
+    from django.conf import settings
+
+    settings.DATA_DIR.mkdir(parents=True, exist_ok=True)
+    return settings
+
+
+def _say(message: str) -> None:
+    print(message, flush=True)
+
+
+# -- embedded Redis ---------------------------------------------------------------------------
+
+
+def _start_embedded_redis(data_dir: Path) -> subprocess.Popen[bytes]:
+    server = shutil.which("redis-server")
+    if server is None:
+        raise SystemExit(
+            "hangar: no REDIS_URL is set and redis-server is not installed; "
+            "run `apt-get install redis-server` (or `make up`), or point REDIS_URL at a Redis server"
+        )
+    sock = data_dir / "redis.sock"
+    sock.unlink(missing_ok=True)
+    proc = subprocess.Popen(
+        [server, "--port", "0", "--unixsocket", str(sock), "--unixsocketperm", "700", "--save", "",
+         "--appendonly", "no", "--dir", str(data_dir), "--logfile", str(data_dir / "redis.log")],
+        start_new_session=True,
+    )  # fmt: skip
+    deadline = time.monotonic() + 10
+    while not sock.exists():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise SystemExit(f"hangar: embedded redis-server did not start; see {data_dir / 'redis.log'}")
+        time.sleep(0.02)
+    return proc
+
+
+# -- first start ------------------------------------------------------------------------------
+
+
+def _prepare_node(settings: Any, *, build_default_image: bool) -> None:
+    from runtime.node import local_node_name, local_runtimes, node_memory_mb
+    from runtime.services.images import image_build, images_sync_local
+    from runtime.services.nodes import node_register
+
+    node_register(
+        name=local_node_name(), runtimes=local_runtimes(), cpu=settings.HANGAR_NODE_CPU, memory_mb=node_memory_mb(),
+        version=_version(),
+    )  # fmt: skip
+    images = images_sync_local()
+    if build_default_image and not images:
+        _say("hangar: building the busybox image (first start)…")
+        image_build(kind="busybox", progress=lambda line: _say(f"  {line}"))
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("hangar")
+    except PackageNotFoundError:
+        return "dev"
+
+
+def _migrate() -> None:
+    from django.core.management import call_command
+
+    call_command("migrate", interactive=False, verbosity=0)
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "dashboard.settings")
+    from django.conf import settings as lazy_settings
+
+    data_dir = Path(lazy_settings.DATA_DIR)
+    data_dir.mkdir(parents=True, exist_ok=True)
+    children: list[tuple[str, subprocess.Popen[bytes]]] = []
+    redis_proc = None
+    if not os.environ.get("REDIS_URL"):
+        redis_proc = _start_embedded_redis(data_dir)
+    try:
+        settings = _setup_django()
+        _migrate()
+        from runtime.models import Node
+        from runtime.node import local_node_name
+        from runtime.services.auth import bootstrap_admin, token_create
+
+        user, team, password = bootstrap_admin()
+        _prepare_node(settings, build_default_image=True)
+        token = token_create(user=user, team=team, name="hangar up").raw if password else None
+
+        node = Node.objects.get(name=local_node_name())
+        py = sys.executable
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        if redis_proc is not None:
+            env["REDIS_URL"] = settings.REDIS_URL
+        specs = [
+            ("server", [py, "-m", "daphne", "-b", args.host, "-p", str(args.port), "-v", "0",
+                        "dashboard.asgi:application"]),
+            ("worker", [py, "-m", "celery", "-A", "dashboard", "worker", "-Q", f"control,{node.queue}",
+                        "-n", f"{node.name}@%h", "--pool", "threads", "--concurrency", str(args.concurrency),
+                        "--loglevel", "INFO", "--without-gossip", "--without-mingle"]),
+            ("beat", [py, "-m", "celery", "-A", "dashboard", "beat", "--loglevel", "WARNING",
+                      "-s", str(data_dir / "celerybeat-schedule")]),
+        ]  # fmt: skip
+        for name, argv in specs:
+            # Own process groups: Ctrl-C reaches only this supervisor, which stops them in order.
+            children.append((name, subprocess.Popen(argv, env=env, start_new_session=True)))
+        url = f"http://{'127.0.0.1' if args.host in ('0.0.0.0', '::') else args.host}:{args.port}"
+        _say("")
+        _say(f"Hangar is up at {url}  (API docs: {url}/api/v1/docs)")
+        _say(f"  node:  {node.name} (queue {node.queue}), data in {data_dir}")
+        if password:
+            _say(f"  admin: {user.get_username()} / {password}   (sign in at {url}/admin/)")
+            _say(f"  API token (shown once): {token}")
+        else:
+            _say(
+                f"  admin: {user.get_username()} (password shown on first start); new token: hangar token create --user {user.get_username()}"
+            )
+        _say("Press Ctrl-C to stop.")
+        return _supervise(children)
+    finally:
+        _stop_all(children)
+        if redis_proc is not None:
+            _stop_all([("redis", redis_proc)])
+
+
+def _supervise(children: list[tuple[str, subprocess.Popen[bytes]]]) -> int:
+    stop = {"signal": 0}
+
+    def on_signal(signum: int, _frame: Any) -> None:
+        stop["signal"] = signum
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    while not stop["signal"]:
+        for name, proc in children:
+            if proc.poll() is not None:
+                _say(f"hangar: {name} exited with status {proc.returncode}; stopping everything")
+                return 1
+        time.sleep(0.2)
+    _say("hangar: stopping…")
+    return 0
+
+
+def _stop_all(children: list[tuple[str, subprocess.Popen[bytes]]], timeout: float = 15.0) -> None:
+    for _, proc in children:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+    deadline = time.monotonic() + timeout
+    for _, proc in children:
+        try:
+            proc.wait(max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            pass
+    for _, proc in children:
+        # Whatever is left of each group (worker pool processes, a stuck child) goes too.
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        if proc.poll() is None:
+            proc.wait(5)
+
+
+def cmd_node(args: argparse.Namespace) -> int:
+    """Join this machine as a node: register it and consume its own queue."""
+    settings = _setup_django()
+    _migrate() if args.migrate else None
+    from runtime.models import Node
+    from runtime.node import local_node_name
+
+    _prepare_node(settings, build_default_image=False)
+    node = Node.objects.get(name=local_node_name())
+    _say(f"hangar: node {node.name} consuming {node.queue}")
+    argv = [sys.executable, "-m", "celery", "-A", "dashboard", "worker", "-Q", node.queue, "-n", f"{node.name}@%h",
+            "--pool", "threads", "--concurrency", str(args.concurrency), "--without-gossip", "--without-mingle"]  # fmt: skip
+    return subprocess.call(argv)
+
+
+def cmd_token_create(args: argparse.Namespace) -> int:
+    _setup_django()
+    _migrate()
+    from django.contrib.auth import get_user_model
+
+    from runtime.errors import ServiceError
+    from runtime.services.auth import team_for_user, token_create
+
+    user = get_user_model().objects.filter(username=args.user).first()
+    if user is None:
+        print(f"hangar: no user named {args.user!r}", file=sys.stderr)
+        return 2
+    try:
+        team = team_for_user(user=user, team_name=args.team)
+        issued = token_create(user=user, team=team, name=args.name or "cli")
+    except ServiceError as exc:
+        print(f"hangar: {exc.message}", file=sys.stderr)
+        return 2
+    print(f"token for {user.get_username()} in team {team.name} (shown once, stored hashed):")
+    print(issued.raw)
+    return 0
+
+
+def cmd_image(args: argparse.Namespace) -> int:
+    _setup_django()
+    _migrate()
+    from runtime.errors import ServiceError
+    from runtime.launchers.images import ImageError
+    from runtime.node import image_store
+    from runtime.services import images as svc
+
+    def progress(line: str) -> None:
+        print(f"  {line}", flush=True)
+
+    try:
+        if args.image_cmd == "list":
+            rows = image_store().list()
+            print(f"{'NAME':<24} {'DIGEST':<20} {'SIZE':>10}  SOURCE")
+            for info in rows:
+                print(
+                    f"{info.name or '-':<24} {info.digest[:19]:<20} {info.size_bytes / 1e6:>8.1f}MB  {info.source}"
+                )
+            return 0
+        if args.image_cmd == "build":
+            image = svc.image_build(kind=args.kind, progress=progress)
+        elif args.image_cmd == "import":
+            image = svc.image_import(path=args.file, name=args.name, progress=progress)
+        else:
+            image = svc.image_pull(
+                ref=args.ref, name=args.name, tls_verify=not args.insecure, progress=progress
+            )
+    except (ImageError, ServiceError) as exc:
+        print(f"hangar: {exc}", file=sys.stderr)
+        return 2
+    print(f"{image.name} {image.digest}")
+    return 0
+
+
+def cmd_manage(args: argparse.Namespace) -> int:
+    _setup_django()
+    from django.core.management import execute_from_command_line
+
+    execute_from_command_line(["hangar manage", *args.rest])
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="hangar", description="Hangar: a self-hosted runtime for AI agents.")
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    up = sub.add_parser("up", help="run everything on this machine (server, worker, beat, embedded Redis)")
+    up.add_argument("--port", type=int, default=int(os.environ.get("HANGAR_PORT", "8000")))
+    up.add_argument("--host", default=os.environ.get("HANGAR_HOST", "127.0.0.1"))
+    up.add_argument("--concurrency", type=int, default=32, help="worker threads (default 32)")
+    up.set_defaults(fn=cmd_up)
+
+    node = sub.add_parser(
+        "node", help="join this machine as a node of an existing Hangar (same DB and Redis)"
+    )
+    node.add_argument("--concurrency", type=int, default=32)
+    node.add_argument("--migrate", action="store_true", help="apply database migrations first")
+    node.set_defaults(fn=cmd_node)
+
+    token = sub.add_parser("token", help="API tokens")
+    tsub = token.add_subparsers(dest="token_cmd", required=True)
+    tc = tsub.add_parser("create", help="print a new API token (alone on the last line)")
+    tc.add_argument("--user", required=True)
+    tc.add_argument("--team")
+    tc.add_argument("--name", default="")
+    tc.set_defaults(fn=cmd_token_create)
+
+    image = sub.add_parser("image", help="images on this node")
+    isub = image.add_subparsers(dest="image_cmd", required=True)
+    isub.add_parser("list", help="list images").set_defaults(fn=cmd_image)
+    ib = isub.add_parser("build", help="build a built-in image")
+    ib.add_argument("kind", choices=["busybox", "base"])
+    ib.set_defaults(fn=cmd_image)
+    ii = isub.add_parser("import", help="import an OCI layout, OCI archive or docker-save tarball")
+    ii.add_argument("file")
+    ii.add_argument("--name")
+    ii.set_defaults(fn=cmd_image)
+    ip = isub.add_parser("pull", help="pull from an OCI registry")
+    ip.add_argument("ref")
+    ip.add_argument("--name")
+    ip.add_argument("--insecure", action="store_true", help="plain HTTP / unverified TLS (local registries)")
+    ip.set_defaults(fn=cmd_image)
+
+    manage = sub.add_parser("manage", help="run a Django management command")
+    manage.add_argument("rest", nargs=argparse.REMAINDER)
+    manage.set_defaults(fn=cmd_manage)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.fn(args) or 0)
+    except ImproperlyConfigured as exc:
+        print(f"hangar: configuration error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

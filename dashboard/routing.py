@@ -1,0 +1,5 @@
+"""Websocket routes (terminals and streaming exec arrive with the dashboard issue)."""
+
+from django.urls import URLPattern
+
+websocket_urlpatterns: list[URLPattern] = []

@@ -1,0 +1,219 @@
+"""Hangar's one settings module, read from the environment.
+
+Every service has an embedded default so a bare ``hangar up`` runs: SQLite (WAL) and a
+Redis on a unix socket under ``HANGAR_DATA_DIR``. ``DATABASE_URL`` and ``REDIS_URL`` switch to
+real servers.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from pathlib import Path
+from urllib.parse import parse_qs, unquote, urlparse
+
+from django.core.exceptions import ImproperlyConfigured
+
+
+def env_str(name: str, default: str) -> str:
+    return os.environ.get(name) or default
+
+
+def env_int(name: str, default: int, *, minimum: int | None = None) -> int:
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ImproperlyConfigured(f"{name} must be an integer, got {raw!r}") from None
+    if minimum is not None and value < minimum:
+        raise ImproperlyConfigured(f"{name} must be at least {minimum}, got {value}")
+    return value
+
+
+def env_float(name: str, default: float) -> float:
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        return float(raw)
+    except ValueError:
+        raise ImproperlyConfigured(f"{name} must be a number, got {raw!r}") from None
+
+
+def env_bool(name: str, default: bool) -> bool:
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    if raw.lower() in ("1", "true", "yes", "on"):
+        return True
+    if raw.lower() in ("0", "false", "no", "off"):
+        return False
+    raise ImproperlyConfigured(f"{name} must be true or false, got {raw!r}")
+
+
+def database_from_url(url: str, data_dir: Path) -> dict:
+    if not url:
+        return {
+            "ENGINE": "django.db.backends.sqlite3",
+            "NAME": str(data_dir / "hangar.sqlite3"),
+            # Several processes (server, workers, beat) write: WAL lets readers and one writer
+            # overlap, IMMEDIATE takes the write lock up front instead of failing on upgrade.
+            "OPTIONS": {
+                "init_command": "PRAGMA journal_mode=WAL; PRAGMA synchronous=NORMAL;",
+                "transaction_mode": "IMMEDIATE",
+                "timeout": 30,
+            },
+        }
+    parsed = urlparse(url)
+    if parsed.scheme in ("postgres", "postgresql"):
+        options = {k: v[-1] for k, v in parse_qs(parsed.query).items()}
+        return {
+            "ENGINE": "django.db.backends.postgresql",
+            "NAME": unquote(parsed.path.lstrip("/")) or "hangar",
+            "USER": unquote(parsed.username or ""),
+            "PASSWORD": unquote(parsed.password or ""),
+            "HOST": parsed.hostname or "",
+            "PORT": str(parsed.port or ""),
+            "CONN_MAX_AGE": env_int("HANGAR_DB_CONN_MAX_AGE", 60),
+            "CONN_HEALTH_CHECKS": True,
+            "OPTIONS": options,
+        }
+    if parsed.scheme == "sqlite":
+        return {**database_from_url("", data_dir), "NAME": parsed.path}
+    raise ImproperlyConfigured(
+        f"DATABASE_URL must be postgres://… or sqlite:///…, got scheme {parsed.scheme!r}"
+    )
+
+
+BASE_DIR = Path(__file__).resolve().parent.parent
+DATA_DIR = Path(env_str("HANGAR_DATA_DIR", "~/.local/share/hangar")).expanduser().resolve()
+
+SECRET_KEY = os.environ.get("HANGAR_SECRET_KEY", "")
+if not SECRET_KEY:
+    # A per-install key kept next to the data, so sessions survive restarts.
+    _key_file = DATA_DIR / "secret_key"
+    try:
+        SECRET_KEY = _key_file.read_text().strip()
+    except OSError:
+        import secrets as _secrets
+
+        SECRET_KEY = _secrets.token_urlsafe(50)
+        try:
+            DATA_DIR.mkdir(parents=True, exist_ok=True)
+            _key_file.write_text(SECRET_KEY)
+            _key_file.chmod(0o600)
+        except OSError:
+            pass
+
+DEBUG = env_bool("HANGAR_DEBUG", False)
+ALLOWED_HOSTS = [h.strip() for h in env_str("HANGAR_ALLOWED_HOSTS", "*").split(",") if h.strip()]
+CSRF_TRUSTED_ORIGINS = [h.strip() for h in env_str("HANGAR_CSRF_TRUSTED_ORIGINS", "").split(",") if h.strip()]
+
+INSTALLED_APPS = [
+    "daphne",
+    "django.contrib.admin",
+    "django.contrib.auth",
+    "django.contrib.contenttypes",
+    "django.contrib.sessions",
+    "django.contrib.messages",
+    "django.contrib.staticfiles",
+    "channels",
+    "runtime",
+    "dashboard",
+]
+
+MIDDLEWARE = [
+    "django.middleware.security.SecurityMiddleware",
+    "django.contrib.sessions.middleware.SessionMiddleware",
+    "django.middleware.common.CommonMiddleware",
+    "django.middleware.csrf.CsrfViewMiddleware",
+    "django.contrib.auth.middleware.AuthenticationMiddleware",
+    "django.contrib.messages.middleware.MessageMiddleware",
+    "django.middleware.clickjacking.XFrameOptionsMiddleware",
+]
+
+ROOT_URLCONF = "dashboard.urls"
+ASGI_APPLICATION = "dashboard.asgi.application"
+TEMPLATES = [
+    {
+        "BACKEND": "django.template.backends.django.DjangoTemplates",
+        "DIRS": [BASE_DIR / "templates"],
+        "APP_DIRS": True,
+        "OPTIONS": {
+            "context_processors": [
+                "django.template.context_processors.request",
+                "django.contrib.auth.context_processors.auth",
+                "django.contrib.messages.context_processors.messages",
+            ]
+        },
+    }
+]
+
+DATABASE_URL = env_str("DATABASE_URL", "")
+DATABASES = {"default": database_from_url(DATABASE_URL, DATA_DIR)}
+DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
+
+REDIS_URL = env_str("REDIS_URL", f"unix://{DATA_DIR / 'redis.sock'}?db=0")
+CHANNEL_LAYERS = {
+    "default": {"BACKEND": "channels_redis.core.RedisChannelLayer", "CONFIG": {"hosts": [REDIS_URL]}}
+}
+
+CELERY_BROKER_URL = env_str("CELERY_BROKER_URL", REDIS_URL)
+CELERY_RESULT_BACKEND = env_str("CELERY_RESULT_BACKEND", REDIS_URL)
+CELERY_TASK_DEFAULT_QUEUE = "control"
+CELERY_TASK_ACKS_LATE = True
+CELERY_TASK_REJECT_ON_WORKER_LOST = True
+CELERY_WORKER_PREFETCH_MULTIPLIER = 1
+CELERY_TASK_TIME_LIMIT = env_int("HANGAR_TASK_TIME_LIMIT", 900)
+CELERY_TASK_SOFT_TIME_LIMIT = CELERY_TASK_TIME_LIMIT - 30
+CELERY_RESULT_EXPIRES = 3600
+CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
+CELERY_BEAT_SCHEDULE_FILENAME = str(DATA_DIR / "celerybeat-schedule")
+CELERY_BEAT_SCHEDULE = {
+    "nodes-tick": {"task": "runtime.tasks.nodes_tick", "schedule": env_float("HANGAR_NODE_TICK_S", 10.0)},
+    "sandboxes-reap": {
+        "task": "runtime.tasks.sandboxes_reap",
+        "schedule": env_float("HANGAR_REAP_TICK_S", 5.0),
+    },
+}
+
+STATIC_URL = "/static/"
+STATICFILES_DIRS = [BASE_DIR / "static"]
+STATIC_ROOT = DATA_DIR / "static"
+LOGIN_URL = "/admin/login/"
+USE_TZ = True
+TIME_ZONE = "UTC"
+
+# Hangar itself
+HANGAR_NODE_NAME = env_str("HANGAR_NODE_NAME", socket.gethostname().split(".")[0] or "local")
+HANGAR_RUNSC = env_str("HANGAR_RUNSC", "runsc")
+HANGAR_RUNSC_PLATFORM = env_str("HANGAR_RUNSC_PLATFORM", "")
+HANGAR_IMAGES_DIR = Path(env_str("HANGAR_IMAGES_DIR", str(DATA_DIR / "images")))
+HANGAR_RUNTIME_DIR = Path(env_str("HANGAR_RUNTIME_DIR", str(DATA_DIR / "runtime")))
+HANGAR_NODE_CPU = env_float("HANGAR_NODE_CPU", float(os.cpu_count() or 1))
+HANGAR_NODE_MEMORY_MB = env_int("HANGAR_NODE_MEMORY_MB", 0, minimum=0)  # 0: read from /proc/meminfo
+HANGAR_CPU_OVERCOMMIT = env_float("HANGAR_CPU_OVERCOMMIT", 4.0)
+HANGAR_MEMORY_OVERCOMMIT = env_float("HANGAR_MEMORY_OVERCOMMIT", 1.0)
+HANGAR_NODE_OFFLINE_AFTER_S = env_int("HANGAR_NODE_OFFLINE_AFTER_S", 60, minimum=5)
+HANGAR_SANDBOX_MIN_MEMORY_MB = env_int("HANGAR_SANDBOX_MIN_MEMORY_MB", 128, minimum=16)
+HANGAR_SANDBOX_MAX_MEMORY_MB = env_int("HANGAR_SANDBOX_MAX_MEMORY_MB", 16384, minimum=16)
+HANGAR_SANDBOX_MAX_CPU = env_float("HANGAR_SANDBOX_MAX_CPU", 16.0)
+HANGAR_SANDBOX_MAX_TIMEOUT_S = env_int("HANGAR_SANDBOX_MAX_TIMEOUT_S", 86400, minimum=1)
+HANGAR_EXEC_MAX_TIMEOUT_S = env_int("HANGAR_EXEC_MAX_TIMEOUT_S", 3600, minimum=1)
+HANGAR_EXEC_KEEP_OUTPUT_BYTES = env_int("HANGAR_EXEC_KEEP_OUTPUT_BYTES", 64 * 1024, minimum=0)
+HANGAR_EXEC_MAX_OUTPUT_BYTES = env_int("HANGAR_EXEC_MAX_OUTPUT_BYTES", 64 * 1024 * 1024, minimum=1024)
+HANGAR_FILE_MAX_BYTES = env_int("HANGAR_FILE_MAX_BYTES", 512 * 1024 * 1024, minimum=1024)
+HANGAR_CREATE_WAIT_S = env_int("HANGAR_CREATE_WAIT_S", 60, minimum=1)
+
+DATA_UPLOAD_MAX_MEMORY_SIZE = HANGAR_FILE_MAX_BYTES
+
+LOGGING = {
+    "version": 1,
+    "disable_existing_loggers": False,
+    "formatters": {"plain": {"format": "%(asctime)s %(levelname)s %(name)s: %(message)s"}},
+    "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "plain"}},
+    "root": {"handlers": ["console"], "level": env_str("HANGAR_LOG_LEVEL", "INFO")},
+    "loggers": {"django.channels.server": {"level": "WARNING"}, "daphne": {"level": "WARNING"}},
+}

@@ -1,0 +1,38 @@
+"""Errors services raise for a caller's mistake; the API maps each to its HTTP status."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class ServiceError(Exception):
+    status_code = 400
+
+    def __init__(self, message: str, **extra: Any) -> None:
+        super().__init__(message)
+        self.message = message
+        self.extra = extra
+
+
+class BadRequest(ServiceError):
+    status_code = 400
+
+
+class InvalidValue(ServiceError):
+    status_code = 422
+
+
+class NotFound(ServiceError):
+    status_code = 404
+
+
+class Conflict(ServiceError):
+    status_code = 409
+
+
+class NoCapacity(ServiceError):
+    status_code = 503
+
+
+class NodeUnavailable(ServiceError):
+    status_code = 502

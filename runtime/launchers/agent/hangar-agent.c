@@ -1,0 +1,1955 @@
+/*
+ * hangar-agent: the guest agent of a Hangar sandbox.
+ *
+ * It runs as PID 1 inside the sandbox and serves a unix socket that the host reaches
+ * directly (gVisor's --host-uds=create on a bind-mounted directory), so an exec or a file
+ * operation costs one connection instead of one `runsc exec` process.
+ *
+ * Process model. The main process only accepts connections and reaps children: as PID 1 it
+ * inherits every orphan in the sandbox, and it must never block on anything else. Each
+ * connection is served by a forked handler that runs exactly one request and exits, so a
+ * slow client, a bad request or a crash costs one connection only. A handler waits for its
+ * own command with waitpid(pid); the main process can never steal that child, because a
+ * process only ever reaps its own children.
+ *
+ * Wire format (both directions): frames of 1 byte type, 4 bytes big-endian payload length,
+ * payload (at most MAX_PAYLOAD). The first client frame is the request; its payload and all
+ * reply fields are "key=value\0" sequences. runtime/launchers/agent_client.py is the client
+ * and describes each request.
+ *
+ * Build: gcc -static -O2 -Wall -Wextra -o hangar-agent hangar-agent.c
+ */
+#define _GNU_SOURCE
+#include <dirent.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <limits.h>
+#include <poll.h>
+#include <sched.h>
+#include <signal.h>
+#include <stdarg.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/ioctl.h>
+#include <sys/prctl.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/types.h>
+#include <sys/un.h>
+#include <sys/wait.h>
+#include <termios.h>
+#include <time.h>
+#include <unistd.h>
+
+#define PROTOCOL_VERSION 1
+#define DEFAULT_SOCKET "/.hangar/run/agent.sock"
+#define DEFAULT_PATH "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+
+#define MAX_PAYLOAD (1u << 20)
+#define OUTPUT_CHUNK (64u << 10)
+#define FILE_CHUNK (256u << 10)
+#define HEADER_LEN 5
+
+/* How long output may keep arriving after the command itself exited (from a grandchild
+ * that inherited the pipes) before the process group is killed and the exit reported. */
+#define DRAIN_MS 200
+/* After that kill, what is already in a pipe is still delivered, up to this much. */
+#define FINAL_DRAIN_LIMIT (4u << 20)
+/* A connection must deliver its request frame within this time. */
+#define REQUEST_TIMEOUT_MS 30000
+/* After the reply, how long to wait for the client to hang up before closing on it. */
+#define LINGER_MS 500
+/* SIGTERM to PID 1: how long everything gets to exit before SIGKILL. */
+#define SHUTDOWN_GRACE_MS 2000
+
+extern char **environ;
+
+/* ---- process-wide state ---------------------------------------------------------------- */
+
+static pid_t g_agent_pid;
+static int g_is_init;
+static int g_sigpipe[2] = {-1, -1}; /* self-pipe: signal handlers wake poll() through it */
+static volatile sig_atomic_t g_got_term;
+
+/* Handler only: what its SIGTERM handler must clean up (see on_handler_term). */
+static volatile sig_atomic_t g_cmd_pgid;
+static volatile sig_atomic_t g_tmp_live;
+static char g_tmp_path[PATH_MAX];
+
+/* Main only: live handler pids, so a non-init agent can stop them on SIGTERM. */
+static pid_t *g_handlers;
+static size_t g_nhandlers, g_handlers_cap;
+
+static void logmsg(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
+static void logmsg(const char *fmt, ...)
+{
+    char buf[1024];
+    va_list ap;
+    va_start(ap, fmt);
+    int n = vsnprintf(buf, sizeof buf - 1, fmt, ap);
+    va_end(ap);
+    if (n < 0)
+        return;
+    if ((size_t)n > sizeof buf - 2)
+        n = (int)sizeof buf - 2;
+    buf[n++] = '\n';
+    /* One write per line: several handlers may log at once. */
+    ssize_t r = write(STDERR_FILENO, "hangar-agent: ", 14);
+    r = write(STDERR_FILENO, buf, (size_t)n);
+    (void)r;
+}
+
+static int64_t now_ms(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
+}
+
+static int ms_until(int64_t deadline, int64_t now, int cap)
+{
+    int64_t left = deadline - now;
+    if (left < 0)
+        return 0;
+    return left > cap ? cap : (int)left;
+}
+
+static const struct {
+    int num;
+    const char *name;
+} errno_names[] = {
+#define E(x) {x, #x}
+    E(EPERM),     E(ENOENT),       E(ESRCH),     E(EINTR),        E(EIO),          E(ENXIO),
+    E(E2BIG),     E(ENOEXEC),      E(EBADF),     E(ECHILD),       E(EAGAIN),       E(ENOMEM),
+    E(EACCES),    E(EFAULT),       E(EBUSY),     E(EEXIST),       E(EXDEV),        E(ENODEV),
+    E(ENOTDIR),   E(EISDIR),       E(EINVAL),    E(ENFILE),       E(EMFILE),       E(ENOTTY),
+    E(ETXTBSY),   E(EFBIG),        E(ENOSPC),    E(ESPIPE),       E(EROFS),        E(EMLINK),
+    E(EPIPE),     E(ERANGE),       E(EDEADLK),   E(ENAMETOOLONG), E(ENOSYS),       E(ENOTEMPTY),
+    E(ELOOP),     E(EMSGSIZE),     E(EOVERFLOW), E(ENOTSUP),      E(ECONNRESET),   E(ETIMEDOUT),
+    E(ESTALE),    E(EDQUOT),       E(ENOTSOCK),  E(EADDRINUSE),   E(ECONNREFUSED), E(ENOBUFS),
+    E(ENOTCONN),  E(EILSEQ),
+#undef E
+};
+
+static const char *errno_name(int err)
+{
+    for (size_t i = 0; i < sizeof errno_names / sizeof errno_names[0]; i++)
+        if (errno_names[i].num == err)
+            return errno_names[i].name;
+    return "EUNKNOWN";
+}
+
+/* ---- signals --------------------------------------------------------------------------- */
+
+static void on_signal(int sig)
+{
+    int saved = errno;
+    if (sig == SIGTERM || sig == SIGINT)
+        g_got_term = 1;
+    if (g_sigpipe[1] >= 0) {
+        char c = (char)sig;
+        ssize_t r = write(g_sigpipe[1], &c, 1); /* a full pipe already means "wake up" */
+        (void)r;
+    }
+    errno = saved;
+}
+
+/* A handler of a non-init agent being stopped: take the command down with it, since nothing
+ * else knows its process group. Only async-signal-safe calls here. */
+static void on_handler_term(int sig)
+{
+    (void)sig;
+    pid_t pgid = g_cmd_pgid;
+    if (pgid > 0) {
+        kill(-pgid, SIGKILL);
+        kill(pgid, SIGKILL); /* in case it had not reached setsid() yet */
+    }
+    if (g_tmp_live)
+        unlink(g_tmp_path);
+    _exit(128 + SIGTERM);
+}
+
+static void set_handler(int sig, void (*fn)(int))
+{
+    struct sigaction sa;
+    memset(&sa, 0, sizeof sa);
+    sa.sa_handler = fn;
+    sa.sa_flags = SA_RESTART; /* poll() still wakes; everything else just carries on */
+    sigemptyset(&sa.sa_mask);
+    sigaction(sig, &sa, NULL);
+}
+
+static int make_sigpipe(void)
+{
+    return pipe2(g_sigpipe, O_CLOEXEC | O_NONBLOCK);
+}
+
+static void drain_fd(int fd)
+{
+    char buf[256];
+    while (read(fd, buf, sizeof buf) > 0) {
+    }
+}
+
+/* Blocks the signals whose handlers touch shared state, around fork(), so the child can
+ * replace them before any can run in it. */
+static void block_signals(sigset_t *old)
+{
+    sigset_t set;
+    sigemptyset(&set);
+    sigaddset(&set, SIGCHLD);
+    sigaddset(&set, SIGTERM);
+    sigaddset(&set, SIGINT);
+    sigprocmask(SIG_BLOCK, &set, old);
+}
+
+/* ---- plain I/O ------------------------------------------------------------------------- */
+
+/* Waits for `events` on fd until `deadline` (-1: forever). 1 ready (or hung up), 0 timeout. */
+static int wait_fd(int fd, short events, int64_t deadline)
+{
+    for (;;) {
+        int timeout = deadline < 0 ? -1 : ms_until(deadline, now_ms(), INT_MAX);
+        if (deadline >= 0 && timeout == 0)
+            return 0;
+        struct pollfd p = {.fd = fd, .events = events};
+        int n = poll(&p, 1, timeout);
+        if (n > 0)
+            return 1;
+        if (n < 0 && errno != EINTR)
+            return -1;
+    }
+}
+
+/* Writes everything, also to a non-blocking fd. 0 ok, -1 error (errno set). */
+static int write_all(int fd, const void *buf, size_t len)
+{
+    const char *p = buf;
+    while (len > 0) {
+        ssize_t n = write(fd, p, len);
+        if (n < 0) {
+            if (errno == EINTR)
+                continue;
+            if (errno == EAGAIN || errno == EWOULDBLOCK) {
+                if (wait_fd(fd, POLLOUT, -1) < 0)
+                    return -1;
+                continue;
+            }
+            return -1;
+        }
+        p += n;
+        len -= (size_t)n;
+    }
+    return 0;
+}
+
+/* 1: got len bytes; 0: clean EOF before the first byte; -1: error, timeout or short read. */
+static int read_full(int fd, void *buf, size_t len, int64_t deadline)
+{
+    size_t got = 0;
+    while (got < len) {
+        if (deadline >= 0 && wait_fd(fd, POLLIN, deadline) != 1)
+            return -1;
+        ssize_t n = read(fd, (char *)buf + got, len - got);
+        if (n < 0) {
+            if (errno == EINTR)
+                continue;
+            if ((errno == EAGAIN || errno == EWOULDBLOCK) && wait_fd(fd, POLLIN, deadline) == 1)
+                continue;
+            return -1;
+        }
+        if (n == 0)
+            return got == 0 ? 0 : -1;
+        got += (size_t)n;
+    }
+    return 1;
+}
+
+static void set_nonblock(int fd)
+{
+    int flags = fcntl(fd, F_GETFL);
+    if (flags >= 0)
+        fcntl(fd, F_SETFL, flags | O_NONBLOCK);
+}
+
+/* ---- frames and fields ----------------------------------------------------------------- */
+
+static void put_header(char *p, char type, uint32_t len)
+{
+    p[0] = type;
+    p[1] = (char)(len >> 24);
+    p[2] = (char)(len >> 16);
+    p[3] = (char)(len >> 8);
+    p[4] = (char)len;
+}
+
+static uint32_t get_be32(const unsigned char *p)
+{
+    return (uint32_t)p[0] << 24 | (uint32_t)p[1] << 16 | (uint32_t)p[2] << 8 | (uint32_t)p[3];
+}
+
+enum { FRAME_OK = 1, FRAME_EOF = 0, FRAME_ERROR = -1, FRAME_TOO_BIG = -2 };
+
+/* Reads one frame into buf (MAX_PAYLOAD + 1 bytes: the payload is NUL-terminated so the
+ * last field is a C string even if the client left out its NUL). */
+static int read_frame(int fd, char *type, char *buf, uint32_t *len, int64_t deadline)
+{
+    unsigned char hdr[HEADER_LEN];
+    int rc = read_full(fd, hdr, HEADER_LEN, deadline);
+    if (rc != 1)
+        return rc == 0 ? FRAME_EOF : FRAME_ERROR;
+    *type = (char)hdr[0];
+    *len = get_be32(hdr + 1);
+    if (*len > MAX_PAYLOAD)
+        return FRAME_TOO_BIG;
+    if (*len > 0 && read_full(fd, buf, *len, deadline) != 1)
+        return FRAME_ERROR;
+    buf[*len] = '\0';
+    return FRAME_OK;
+}
+
+/* Iterates over the values of `key` in a "key=value\0..." payload; *pos starts at 0.
+ * buf[len] must be NUL. Entries without '=' are ignored. */
+static const char *next_field(const char *buf, size_t len, const char *key, size_t *pos)
+{
+    size_t klen = strlen(key);
+    while (*pos < len) {
+        const char *s = buf + *pos;
+        size_t l = strnlen(s, len - *pos);
+        *pos += l + 1;
+        if (l > klen && memcmp(s, key, klen) == 0 && s[klen] == '=')
+            return s + klen + 1;
+    }
+    return NULL;
+}
+
+static const char *get_field(const char *buf, size_t len, const char *key)
+{
+    size_t pos = 0;
+    return next_field(buf, len, key, &pos);
+}
+
+/* Strict unsigned parse: digits only, no sign or spaces, no overflow, at most max. */
+static int parse_uint(const char *s, int base, unsigned long long max, unsigned long long *out)
+{
+    if (!s || !*s || *s == '-' || *s == '+' || *s == ' ')
+        return -1;
+    char *end;
+    errno = 0;
+    unsigned long long v = strtoull(s, &end, base);
+    if (errno || *end || v > max)
+        return -1;
+    *out = v;
+    return 0;
+}
+
+/* Reply fields, built in place. Only file names and error messages vary in length, and
+ * those are bounded well below the buffer. */
+struct fields {
+    size_t len;
+    char buf[8192];
+};
+
+static void field_add(struct fields *f, const char *key, const char *value)
+{
+    size_t k = strlen(key), v = strlen(value);
+    if (k + v + 2 > sizeof f->buf - f->len)
+        return;
+    memcpy(f->buf + f->len, key, k);
+    f->buf[f->len + k] = '=';
+    memcpy(f->buf + f->len + k + 1, value, v);
+    f->buf[f->len + k + 1 + v] = '\0';
+    f->len += k + v + 2;
+}
+
+static void field_addf(struct fields *f, const char *key, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+static void field_addf(struct fields *f, const char *key, const char *fmt, ...)
+{
+    char value[4096];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(value, sizeof value, fmt, ap);
+    va_end(ap);
+    field_add(f, key, value);
+}
+
+static const char *type_name(mode_t mode)
+{
+    if (S_ISREG(mode))
+        return "file";
+    if (S_ISDIR(mode))
+        return "dir";
+    if (S_ISLNK(mode))
+        return "symlink";
+    return "other";
+}
+
+static void field_add_mtime(struct fields *f, const struct timespec *ts)
+{
+    long long sec = (long long)ts->tv_sec;
+    long nsec = ts->tv_nsec;
+    if (sec < 0 && nsec > 0) /* -1.5 s is stored as sec=-2, nsec=0.5e9 */
+        field_addf(f, "mtime", "-%lld.%09ld", -(sec + 1), 1000000000L - nsec);
+    else
+        field_addf(f, "mtime", "%lld.%09ld", sec, nsec);
+}
+
+static void field_add_stat(struct fields *f, const struct stat *st)
+{
+    field_add(f, "type", type_name(st->st_mode));
+    field_addf(f, "size", "%lld", (long long)st->st_size);
+    field_addf(f, "mode", "%o", (unsigned)(st->st_mode & 07777));
+    field_add_mtime(f, &st->st_mtim);
+}
+
+/* ---- buffered replies (handlers other than exec's streaming loop) ---------------------- */
+
+/* Small frames (directory entries, replies) are batched into one write; the `failed` flag
+ * turns every later write into a no-op once the client is gone. */
+static struct {
+    int fd;
+    int failed;
+    size_t len;
+    char buf[64 << 10];
+} g_out;
+
+static void out_flush(void)
+{
+    if (!g_out.failed && g_out.len > 0 && write_all(g_out.fd, g_out.buf, g_out.len) < 0)
+        g_out.failed = 1;
+    g_out.len = 0;
+}
+
+static int out_frame(char type, const void *payload, size_t len)
+{
+    if (g_out.failed)
+        return -1;
+    if (HEADER_LEN + len > sizeof g_out.buf - g_out.len)
+        out_flush();
+    put_header(g_out.buf + g_out.len, type, (uint32_t)len);
+    g_out.len += HEADER_LEN;
+    if (HEADER_LEN + len <= sizeof g_out.buf) {
+        if (len)
+            memcpy(g_out.buf + g_out.len, payload, len);
+        g_out.len += len;
+    } else {
+        /* A big data frame: no point copying it through the buffer. */
+        out_flush();
+        if (!g_out.failed && write_all(g_out.fd, payload, len) < 0)
+            g_out.failed = 1;
+    }
+    return g_out.failed ? -1 : 0;
+}
+
+static void reply_fields(char type, const struct fields *f)
+{
+    out_frame(type, f->buf, f->len);
+}
+
+static void reply_ok(void)
+{
+    out_frame('K', "", 0);
+}
+
+static void reply_error(int err, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+static void reply_error(int err, const char *fmt, ...)
+{
+    struct fields f = {0};
+    char message[4096];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(message, sizeof message, fmt, ap);
+    va_end(ap);
+    field_add(&f, "errno", errno_name(err));
+    field_add(&f, "message", message);
+    reply_fields('F', &f);
+}
+
+/* "subject: strerror" for a failed system call on subject (usually a path). */
+static void reply_errno(int err, const char *subject)
+{
+    reply_error(err, "%.2048s: %s", subject, strerror(err));
+}
+
+/* ---- requests -------------------------------------------------------------------------- */
+
+struct request {
+    char type;
+    char *buf; /* fields; buf[len] is NUL */
+    uint32_t len;
+};
+
+static const char *req_get(const struct request *r, const char *key)
+{
+    return get_field(r->buf, r->len, key);
+}
+
+static int req_flag(const struct request *r, const char *key)
+{
+    const char *v = req_get(r, key);
+    return v && strcmp(v, "1") == 0;
+}
+
+/* The path field, which must be absolute; replies EINVAL and returns NULL otherwise. */
+static const char *req_path(const struct request *r)
+{
+    const char *path = req_get(r, "path");
+    if (!path || !*path) {
+        reply_error(EINVAL, "missing path");
+        return NULL;
+    }
+    if (path[0] != '/') {
+        reply_error(EINVAL, "%.2048s: path must be absolute", path);
+        return NULL;
+    }
+    return path;
+}
+
+/* The optional octal mode field; replies EINVAL and returns -1 when malformed. */
+static int req_mode(const struct request *r, mode_t fallback, mode_t *mode)
+{
+    const char *v = req_get(r, "mode");
+    unsigned long long m;
+    *mode = fallback;
+    if (!v)
+        return 0;
+    if (parse_uint(v, 8, 07777, &m) < 0) {
+        reply_error(EINVAL, "bad mode %.64s: expected octal permission bits", v);
+        return -1;
+    }
+    *mode = (mode_t)m;
+    return 0;
+}
+
+/* ---- filesystem helpers ---------------------------------------------------------------- */
+
+/* mkdir -p. Returns 0 or an errno value. `created` (may be NULL) reports whether the last
+ * component was made by this call. */
+static int mkdir_p(const char *path, mode_t mode, int *created)
+{
+    char buf[PATH_MAX];
+    size_t len = strlen(path);
+    if (created)
+        *created = 0;
+    if (len >= sizeof buf)
+        return ENAMETOOLONG;
+    memcpy(buf, path, len + 1);
+    while (len > 1 && buf[len - 1] == '/')
+        buf[--len] = '\0';
+    for (char *p = buf + 1;; p++) {
+        if (*p != '/' && *p != '\0')
+            continue;
+        char saved = *p;
+        if (p[-1] != '/') { /* skip the empty components of "a//b" */
+            *p = '\0';
+            if (mkdir(buf, mode) == 0) {
+                if (!saved && created)
+                    *created = 1;
+            } else {
+                int err = errno;
+                struct stat st;
+                /* Whatever the error (EEXIST, or EROFS/EACCES on an existing parent), an
+                 * existing directory is what we wanted. */
+                if (stat(buf, &st) < 0 || !S_ISDIR(st.st_mode))
+                    return err == EEXIST ? (saved ? ENOTDIR : EEXIST) : err;
+            }
+            *p = saved;
+        }
+        if (!saved)
+            return 0;
+    }
+}
+
+/* rm -r of a directory relative to dirfd, never following symlinks. 0 or first errno. */
+static int remove_dir_at(int dirfd, const char *name)
+{
+    int fd = openat(dirfd, name, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+    if (fd < 0)
+        return errno;
+    DIR *d = fdopendir(fd);
+    if (!d) {
+        int err = errno;
+        close(fd);
+        return err;
+    }
+    int err = 0;
+    struct dirent *e;
+    while ((e = readdir(d)) != NULL) {
+        if (strcmp(e->d_name, ".") == 0 || strcmp(e->d_name, "..") == 0)
+            continue;
+        int is_dir = e->d_type == DT_DIR;
+        if (e->d_type == DT_UNKNOWN) {
+            struct stat st;
+            is_dir = fstatat(fd, e->d_name, &st, AT_SYMLINK_NOFOLLOW) == 0 && S_ISDIR(st.st_mode);
+        }
+        int rc = 0;
+        if (is_dir)
+            rc = remove_dir_at(fd, e->d_name);
+        else if (unlinkat(fd, e->d_name, 0) < 0)
+            rc = errno;
+        if (rc && rc != ENOENT && !err)
+            err = rc;
+    }
+    closedir(d);
+    if (unlinkat(dirfd, name, AT_REMOVEDIR) < 0 && !err)
+        err = errno;
+    return err;
+}
+
+/* ---- simple requests ------------------------------------------------------------------- */
+
+static void op_ping(void)
+{
+    struct fields f = {0};
+    field_addf(&f, "version", "%d", PROTOCOL_VERSION);
+    field_addf(&f, "pid", "%d", (int)g_agent_pid);
+    reply_fields('K', &f);
+}
+
+static void op_stat(const struct request *r)
+{
+    const char *path = req_path(r);
+    struct stat st;
+    if (!path)
+        return;
+    if (lstat(path, &st) < 0) {
+        reply_errno(errno, path);
+        return;
+    }
+    struct fields f = {0};
+    field_add_stat(&f, &st);
+    reply_fields('K', &f);
+}
+
+static void op_mkdir(const struct request *r)
+{
+    const char *path = req_path(r);
+    mode_t mode;
+    int created;
+    if (!path || req_mode(r, 0755, &mode) < 0)
+        return;
+    int err = mkdir_p(path, mode, &created);
+    if (err) {
+        reply_errno(err, path);
+        return;
+    }
+    if (created)
+        chmod(path, mode); /* like mkdir -p -m: the mode is exact, not filtered by umask */
+    reply_ok();
+}
+
+static void op_delete(const struct request *r)
+{
+    const char *path = req_path(r);
+    struct stat st, root;
+    if (!path)
+        return;
+    if (lstat(path, &st) < 0) {
+        reply_errno(errno, path);
+        return;
+    }
+    if (stat("/", &root) == 0 && st.st_dev == root.st_dev && st.st_ino == root.st_ino) {
+        reply_error(EBUSY, "%.2048s: refusing to delete the root directory", path);
+        return;
+    }
+    int err = 0;
+    if (!S_ISDIR(st.st_mode))
+        err = unlink(path) < 0 ? errno : 0;
+    else if (req_flag(r, "recursive"))
+        err = remove_dir_at(AT_FDCWD, path);
+    else
+        err = rmdir(path) < 0 ? errno : 0;
+    if (err)
+        reply_errno(err, path);
+    else
+        reply_ok();
+}
+
+static void op_list(const struct request *r)
+{
+    const char *path = req_path(r);
+    if (!path)
+        return;
+    int fd = open(path, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    if (fd < 0) {
+        reply_errno(errno, path);
+        return;
+    }
+    DIR *d = fdopendir(fd);
+    if (!d) {
+        reply_errno(errno, path);
+        close(fd);
+        return;
+    }
+    for (;;) {
+        errno = 0;
+        struct dirent *e = readdir(d);
+        if (!e) {
+            if (errno) {
+                reply_errno(errno, path);
+                closedir(d);
+                return;
+            }
+            break;
+        }
+        if (strcmp(e->d_name, ".") == 0 || strcmp(e->d_name, "..") == 0)
+            continue;
+        struct stat st;
+        if (fstatat(fd, e->d_name, &st, AT_SYMLINK_NOFOLLOW) < 0)
+            continue; /* removed while we listed it */
+        struct fields f = {0};
+        field_add(&f, "name", e->d_name);
+        field_add_stat(&f, &st);
+        if (out_frame('N', f.buf, f.len) < 0)
+            break;
+    }
+    closedir(d);
+    reply_ok();
+}
+
+static void op_read(const struct request *r)
+{
+    const char *path = req_path(r);
+    unsigned long long offset = 0, remaining = ULLONG_MAX;
+    if (!path)
+        return;
+    const char *v = req_get(r, "offset");
+    if (v && parse_uint(v, 10, INT64_MAX, &offset) < 0) {
+        reply_error(EINVAL, "bad offset %.64s", v);
+        return;
+    }
+    v = req_get(r, "length");
+    if (v && parse_uint(v, 10, ULLONG_MAX, &remaining) < 0) {
+        reply_error(EINVAL, "bad length %.64s", v);
+        return;
+    }
+    /* O_NONBLOCK so a FIFO swapped in after the type check cannot hang the open. */
+    int fd = open(path, O_RDONLY | O_CLOEXEC | O_NOCTTY | O_NONBLOCK);
+    if (fd < 0) {
+        reply_errno(errno, path);
+        return;
+    }
+    struct stat st;
+    if (fstat(fd, &st) < 0) {
+        reply_errno(errno, path);
+        close(fd);
+        return;
+    }
+    if (!S_ISREG(st.st_mode)) {
+        if (S_ISDIR(st.st_mode))
+            reply_errno(EISDIR, path);
+        else
+            reply_error(EINVAL, "%.2048s: not a regular file", path);
+        close(fd);
+        return;
+    }
+    if (offset > 0 && lseek(fd, (off_t)offset, SEEK_SET) < 0) {
+        reply_errno(errno, path);
+        close(fd);
+        return;
+    }
+    struct fields f = {0};
+    field_addf(&f, "size", "%lld", (long long)st.st_size);
+    field_addf(&f, "mode", "%o", (unsigned)(st.st_mode & 07777));
+    field_add_mtime(&f, &st.st_mtim);
+    field_add(&f, "type", "file");
+    reply_fields('T', &f);
+
+    char *buf = malloc(FILE_CHUNK);
+    if (!buf) {
+        reply_errno(ENOMEM, path);
+        close(fd);
+        return;
+    }
+    /* Read to EOF rather than to st_size: /proc files say 0 and still have content. */
+    while (remaining > 0) {
+        size_t want = remaining < FILE_CHUNK ? (size_t)remaining : FILE_CHUNK;
+        ssize_t n = read(fd, buf, want);
+        if (n < 0) {
+            if (errno == EINTR)
+                continue;
+            reply_errno(errno, path);
+            goto out;
+        }
+        if (n == 0)
+            break;
+        if (out_frame('D', buf, (size_t)n) < 0)
+            goto out;
+        remaining -= (unsigned long long)n;
+    }
+    reply_ok();
+out:
+    free(buf);
+    close(fd);
+}
+
+static void op_write(const struct request *r)
+{
+    const char *path = req_path(r);
+    mode_t mode;
+    if (!path || req_mode(r, 0644, &mode) < 0)
+        return;
+    int append = req_flag(r, "append");
+    char target[PATH_MAX];
+    if (strlen(path) >= sizeof target) {
+        reply_errno(ENAMETOOLONG, path);
+        return;
+    }
+    strcpy(target, path);
+
+    char parent[PATH_MAX];
+    const char *slash = strrchr(target, '/');
+    size_t dirlen = (size_t)(slash - target);
+    memcpy(parent, target, dirlen);
+    parent[dirlen] = '\0';
+    if (req_flag(r, "mkdirs") && dirlen > 0) {
+        int err = mkdir_p(parent, 0755, NULL);
+        if (err) {
+            reply_errno(err, parent);
+            return;
+        }
+    }
+
+    struct stat st;
+    if (lstat(target, &st) == 0 && S_ISLNK(st.st_mode)) {
+        /* Write through the link, as a shell redirection would, rather than replace it. */
+        char *real = realpath(target, NULL);
+        if (real) {
+            if (strlen(real) < sizeof target)
+                strcpy(target, real);
+            free(real);
+        }
+    }
+    if (stat(target, &st) == 0 && S_ISDIR(st.st_mode)) {
+        reply_errno(EISDIR, path);
+        return;
+    }
+
+    int fd;
+    if (append) {
+        fd = open(target, O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC | O_NOCTTY, mode);
+        if (fd < 0) {
+            reply_errno(errno, path);
+            return;
+        }
+    } else {
+        /* Write a temp file beside the target and rename it over on 'C', so readers see the
+         * old content or the new, never a prefix, and a dropped client changes nothing. */
+        slash = strrchr(target, '/');
+        dirlen = (size_t)(slash - target);
+        int n = snprintf(g_tmp_path, sizeof g_tmp_path, "%.*s/.hangar-write-XXXXXX", (int)dirlen, target);
+        if (n < 0 || (size_t)n >= sizeof g_tmp_path) {
+            reply_errno(ENAMETOOLONG, path);
+            return;
+        }
+        fd = mkostemp(g_tmp_path, O_CLOEXEC);
+        if (fd < 0) {
+            reply_errno(errno, path);
+            return;
+        }
+        g_tmp_live = 1;
+        if (fchmod(fd, mode) < 0) {
+            reply_errno(errno, path);
+            goto fail;
+        }
+    }
+
+    char *buf = malloc(MAX_PAYLOAD + 1);
+    if (!buf) {
+        reply_errno(ENOMEM, path);
+        goto fail;
+    }
+    unsigned long long written = 0;
+    for (;;) {
+        char type;
+        uint32_t len;
+        int rc = read_frame(g_out.fd, &type, buf, &len, -1);
+        if (rc == FRAME_TOO_BIG) {
+            reply_error(EMSGSIZE, "frame larger than %u bytes", MAX_PAYLOAD);
+            goto fail_buf;
+        }
+        if (rc != FRAME_OK)
+            goto fail_buf; /* client gone before 'C': leave the target untouched */
+        if (type == 'C')
+            break;
+        if (type != 'D') {
+            reply_error(EINVAL, "unexpected frame '%c' in a write", type);
+            goto fail_buf;
+        }
+        if (write_all(fd, buf, len) < 0) {
+            reply_errno(errno, path);
+            goto fail_buf;
+        }
+        written += len;
+    }
+    free(buf);
+    if (close(fd) < 0) { /* NFS and friends report deferred write errors here */
+        fd = -1;
+        reply_errno(errno, path);
+        goto fail;
+    }
+    fd = -1;
+    if (!append) {
+        if (rename(g_tmp_path, target) < 0) {
+            reply_errno(errno, path);
+            goto fail;
+        }
+        g_tmp_live = 0;
+    }
+    struct fields f = {0};
+    field_addf(&f, "size", "%llu", written);
+    reply_fields('K', &f);
+    return;
+
+fail_buf:
+    free(buf);
+fail:
+    if (fd >= 0)
+        close(fd);
+    if (g_tmp_live) {
+        unlink(g_tmp_path);
+        g_tmp_live = 0;
+    }
+}
+
+/* ---- exec: starting the command -------------------------------------------------------- */
+
+enum { STAGE_SETUP = 1, STAGE_CHDIR = 2, STAGE_EXEC = 3 };
+
+struct exec_failure {
+    int stage;
+    int err;
+};
+
+static const char *env_lookup(char *const envp[], const char *name)
+{
+    size_t n = strlen(name);
+    for (size_t i = 0; envp[i]; i++)
+        if (strncmp(envp[i], name, n) == 0 && envp[i][n] == '=')
+            return envp[i] + n + 1;
+    return NULL;
+}
+
+/* The agent's own environment with the request's NAME=VALUE entries replacing or added. */
+static char **merge_env(const struct request *r)
+{
+    size_t base = 0, extra = 0, pos = 0;
+    while (environ && environ[base])
+        base++;
+    while (next_field(r->buf, r->len, "env", &pos))
+        extra++;
+    char **envp = calloc(base + extra + 1, sizeof *envp);
+    if (!envp)
+        return NULL;
+    for (size_t i = 0; i < base; i++)
+        envp[i] = environ[i];
+    size_t n = base;
+    const char *entry;
+    pos = 0;
+    while ((entry = next_field(r->buf, r->len, "env", &pos)) != NULL) {
+        const char *eq = strchr(entry, '=');
+        size_t name_len = (size_t)(eq - entry);
+        size_t i;
+        for (i = 0; i < n; i++)
+            if (strncmp(envp[i], entry, name_len + 1) == 0)
+                break;
+        envp[i] = (char *)entry;
+        if (i == n)
+            n++;
+    }
+    envp[n] = NULL;
+    return envp;
+}
+
+/* The command is started the way posix_spawn does it: clone(CLONE_VM | CLONE_VFORK) runs the
+ * child on its own stack in our address space until it execs, which spares copying the
+ * handler's address space (costly in gVisor) for a process that is about to replace it. The
+ * child must therefore not allocate, and leaves everything it needs prepared here. */
+struct spawn {
+    char **argv;
+    char **envp;
+    char **sh_argv; /* argc + 2 slots, for exec_with_sh */
+    const char *cwd;
+    int in_fd, out_fd, err_fd, tty_fd, report_fd;
+};
+
+/* A file that execve rejects with ENOEXEC is a script without #!: run it with /bin/sh,
+ * like execvp and every shell do. */
+static void exec_with_sh(const char *file, const struct spawn *sp)
+{
+    char *const *argv = sp->argv;
+    char **sh_argv = sp->sh_argv;
+    size_t argc = 0;
+    while (argv[argc])
+        argc++;
+    sh_argv[0] = (char *)"/bin/sh";
+    sh_argv[1] = (char *)file;
+    for (size_t i = 1; i < argc; i++)
+        sh_argv[i + 1] = argv[i];
+    sh_argv[argc + 1] = NULL;
+    execve("/bin/sh", sh_argv, sp->envp);
+    errno = ENOEXEC;
+}
+
+/* execvpe, except that PATH comes from the command's environment rather than ours (glibc
+ * searches the caller's PATH). Returns only on failure, with errno set. */
+static void exec_search(const struct spawn *sp)
+{
+    const char *file = sp->argv[0];
+    char *const *argv = sp->argv;
+    char *const *envp = sp->envp;
+    if (!*file) {
+        errno = ENOENT;
+        return;
+    }
+    if (strchr(file, '/')) {
+        execve(file, argv, envp);
+        if (errno == ENOEXEC)
+            exec_with_sh(file, sp);
+        return;
+    }
+    const char *path = env_lookup(envp, "PATH");
+    if (!path)
+        path = DEFAULT_PATH;
+    size_t flen = strlen(file);
+    int result = ENOENT;
+    for (const char *dir = path;; dir++) {
+        const char *end = strchrnul(dir, ':');
+        size_t dlen = (size_t)(end - dir);
+        char buf[PATH_MAX];
+        if (dlen == 0) { /* an empty entry means the current directory */
+            dir = ".";
+            dlen = 1;
+        }
+        if (dlen + 1 + flen + 1 > sizeof buf) {
+            result = ENAMETOOLONG;
+        } else {
+            memcpy(buf, dir, dlen);
+            buf[dlen] = '/';
+            memcpy(buf + dlen + 1, file, flen + 1);
+            execve(buf, argv, envp);
+            switch (errno) {
+            case ENOEXEC:
+                exec_with_sh(buf, sp);
+                return;
+            case EACCES:
+                result = EACCES; /* remembered, but a later directory may still work */
+                break;
+            case ENOENT:
+            case ENOTDIR:
+            case ESTALE:
+            case ENODEV:
+            case ETIMEDOUT:
+            case ELOOP:
+            case ENAMETOOLONG:
+                break;
+            default:
+                return; /* e.g. E2BIG, ENOMEM, ETXTBSY: searching on cannot help */
+            }
+        }
+        if (!*end)
+            break;
+        dir = end;
+    }
+    errno = result;
+}
+
+static void child_fail(int report_fd, int stage, int err)
+{
+    struct exec_failure fail = {stage, err};
+    ssize_t r = write(report_fd, &fail, sizeof fail);
+    (void)r;
+    _exit(127);
+}
+
+/* In the cloned child: become the command. Never returns. */
+static int spawn_child(void *arg)
+{
+    const struct spawn *sp = arg;
+    int in_fd = sp->in_fd, out_fd = sp->out_fd, err_fd = sp->err_fd, tty_fd = sp->tty_fd;
+    int report_fd = sp->report_fd;
+
+    /* Undo what the agent changed; an ignored SIGPIPE in particular would survive exec
+     * and break `cmd | head`. Without CLONE_SIGHAND these are the child's own copies. */
+    set_handler(SIGCHLD, SIG_DFL);
+    set_handler(SIGTERM, SIG_DFL);
+    set_handler(SIGINT, SIG_DFL);
+    set_handler(SIGPIPE, SIG_DFL);
+    sigset_t none;
+    sigemptyset(&none);
+    sigprocmask(SIG_SETMASK, &none, NULL);
+
+    if (setsid() < 0)
+        child_fail(report_fd, STAGE_SETUP, errno);
+    if (tty_fd >= 0) {
+        if (ioctl(tty_fd, TIOCSCTTY, 0) < 0)
+            child_fail(report_fd, STAGE_SETUP, errno);
+        in_fd = out_fd = err_fd = tty_fd;
+    }
+    /* All our fds are >= 3 (main() made sure 0-2 are taken), so these cannot clobber each
+     * other; dup2 clears close-on-exec on the copies. */
+    if (dup2(in_fd, 0) < 0 || dup2(out_fd, 1) < 0 || dup2(err_fd, 2) < 0)
+        child_fail(report_fd, STAGE_SETUP, errno);
+    if (chdir(sp->cwd) < 0)
+        child_fail(report_fd, STAGE_CHDIR, errno);
+    exec_search(sp);
+    child_fail(report_fd, STAGE_EXEC, errno);
+    return 127;
+}
+
+static int open_pty(int *master, int *slave, unsigned short rows, unsigned short cols)
+{
+    int m = posix_openpt(O_RDWR | O_NOCTTY | O_CLOEXEC);
+    if (m < 0)
+        m = open("/dev/pts/ptmx", O_RDWR | O_NOCTTY | O_CLOEXEC); /* /dev without a ptmx node */
+    if (m < 0)
+        return -1;
+    char name[128];
+    int err = 0;
+    if (unlockpt(m) < 0)
+        err = errno;
+    else if ((err = ptsname_r(m, name, sizeof name)) == 0) {
+        int s = open(name, O_RDWR | O_NOCTTY | O_CLOEXEC);
+        if (s < 0) {
+            err = errno;
+        } else {
+            struct winsize ws = {.ws_row = rows, .ws_col = cols};
+            ioctl(m, TIOCSWINSZ, &ws);
+            *master = m;
+            *slave = s;
+            return 0;
+        }
+    }
+    close(m);
+    errno = err;
+    return -1;
+}
+
+/* ---- exec: streaming ------------------------------------------------------------------- */
+
+struct exec_io {
+    int sock;
+    pid_t pid;
+    int out_fd; /* stdout pipe, or the pty master; -1 after EOF */
+    int err_fd; /* stderr pipe; -1 with a tty or after EOF */
+    int in_fd;  /* where 'I' payloads go (pipe or pty master); -1 once closed */
+    int master; /* the pty master (kept until the end), or -1 */
+    /* stdin: the payload of the last 'I' frame, until the command has taken all of it */
+    char *in_buf;
+    size_t in_off, in_len;
+    int in_close_pending;
+    /* the client frame being read */
+    unsigned char hdr[HEADER_LEN];
+    size_t hdr_got;
+    char *rx_buf;
+    uint32_t rx_len, rx_got;
+    /* the frame being sent; only ever one, so a slow client back-pressures the command */
+    char *tx;
+    size_t tx_off, tx_len;
+    int exited, timed_out;
+};
+
+static void kill_group(pid_t pid)
+{
+    kill(-pid, SIGKILL);
+}
+
+/* The exit is observed with WNOWAIT: the zombie keeps its pid, and so the process group id,
+ * from being reused until we have killed the group and reaped it for real. */
+static int child_exited(pid_t pid)
+{
+    for (;;) {
+        siginfo_t si;
+        memset(&si, 0, sizeof si);
+        if (waitid(P_PID, (id_t)pid, &si, WEXITED | WNOHANG | WNOWAIT) == 0)
+            return si.si_pid == pid;
+        if (errno != EINTR)
+            return errno == ECHILD;
+    }
+}
+
+static void close_stdin(struct exec_io *io)
+{
+    if (io->in_fd >= 0 && io->in_fd != io->master)
+        close(io->in_fd); /* for a tty, 'C' only stops our writes: ^D is the client's call */
+    io->in_fd = -1;
+    io->in_off = io->in_len = 0;
+    io->in_close_pending = 0;
+}
+
+/* A second 'I' frame waits in the socket until the first has gone to the command. */
+static int rx_paused(const struct exec_io *io)
+{
+    return io->hdr_got == HEADER_LEN && io->hdr[0] == 'I' && io->in_len > io->in_off;
+}
+
+static void exec_dispatch(struct exec_io *io)
+{
+    const char *v;
+    unsigned long long a, b;
+    io->rx_buf[io->rx_len] = '\0';
+    switch (io->hdr[0]) {
+    case 'I':
+        if (io->in_fd >= 0 && !io->in_close_pending && io->rx_len > 0) {
+            char *t = io->in_buf; /* swap buffers instead of copying */
+            io->in_buf = io->rx_buf;
+            io->rx_buf = t;
+            io->in_off = 0;
+            io->in_len = io->rx_len;
+        }
+        break;
+    case 'C':
+        io->in_close_pending = 1;
+        break;
+    case 'Z':
+        if (io->master >= 0 && parse_uint(get_field(io->rx_buf, io->rx_len, "rows"), 10, 65535, &a) == 0 &&
+            parse_uint(get_field(io->rx_buf, io->rx_len, "cols"), 10, 65535, &b) == 0) {
+            struct winsize ws = {.ws_row = (unsigned short)a, .ws_col = (unsigned short)b};
+            ioctl(io->master, TIOCSWINSZ, &ws); /* the kernel sends SIGWINCH */
+        }
+        break;
+    case 'G':
+        v = get_field(io->rx_buf, io->rx_len, "sig");
+        if (parse_uint(v, 10, 64, &a) == 0 && a > 0)
+            kill(-io->pid, (int)a);
+        break;
+    default:
+        break; /* unknown control frames are ignored, for newer clients */
+    }
+}
+
+/* Reads and acts on client frames until the socket would block. -1: client gone or broken. */
+static int exec_rx(struct exec_io *io)
+{
+    for (;;) {
+        if (io->hdr_got < HEADER_LEN) {
+            ssize_t n = read(io->sock, io->hdr + io->hdr_got, HEADER_LEN - io->hdr_got);
+            if (n < 0) {
+                if (errno == EINTR)
+                    continue;
+                return (errno == EAGAIN || errno == EWOULDBLOCK) ? 0 : -1;
+            }
+            if (n == 0)
+                return -1;
+            io->hdr_got += (size_t)n;
+            if (io->hdr_got < HEADER_LEN)
+                continue;
+            io->rx_len = get_be32(io->hdr + 1);
+            io->rx_got = 0;
+            if (io->rx_len > MAX_PAYLOAD)
+                return -1;
+        }
+        if (rx_paused(io))
+            return 0;
+        while (io->rx_got < io->rx_len) {
+            ssize_t n = read(io->sock, io->rx_buf + io->rx_got, io->rx_len - io->rx_got);
+            if (n < 0) {
+                if (errno == EINTR)
+                    continue;
+                return (errno == EAGAIN || errno == EWOULDBLOCK) ? 0 : -1;
+            }
+            if (n == 0)
+                return -1;
+            io->rx_got += (uint32_t)n;
+        }
+        exec_dispatch(io);
+        io->hdr_got = 0;
+    }
+}
+
+static void exec_write_stdin(struct exec_io *io)
+{
+    while (io->in_fd >= 0 && io->in_off < io->in_len) {
+        ssize_t n = write(io->in_fd, io->in_buf + io->in_off, io->in_len - io->in_off);
+        if (n < 0) {
+            if (errno == EINTR)
+                continue;
+            if (errno == EAGAIN || errno == EWOULDBLOCK)
+                return;
+            close_stdin(io); /* EPIPE/EIO: the command stopped reading; drop the rest */
+            return;
+        }
+        io->in_off += (size_t)n;
+    }
+    io->in_off = io->in_len = 0;
+}
+
+/* -1: client gone. */
+static int exec_tx_flush(struct exec_io *io)
+{
+    while (io->tx_off < io->tx_len) {
+        ssize_t n = write(io->sock, io->tx + io->tx_off, io->tx_len - io->tx_off);
+        if (n < 0) {
+            if (errno == EINTR)
+                continue;
+            return (errno == EAGAIN || errno == EWOULDBLOCK) ? 0 : -1;
+        }
+        io->tx_off += (size_t)n;
+    }
+    io->tx_off = io->tx_len = 0;
+    return 0;
+}
+
+/* Reads one chunk of output into the (empty) tx buffer. 1: got data, 0: nothing now. */
+static int exec_read_output(struct exec_io *io, int *fd, char type)
+{
+    ssize_t n;
+    do
+        n = read(*fd, io->tx + HEADER_LEN, OUTPUT_CHUNK);
+    while (n < 0 && errno == EINTR);
+    if (n > 0) {
+        put_header(io->tx, type, (uint32_t)n);
+        io->tx_off = 0;
+        io->tx_len = HEADER_LEN + (size_t)n;
+        return 1;
+    }
+    if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK))
+        return 0;
+    /* EOF, or EIO from a pty master once every slave fd is closed */
+    if (*fd != io->master)
+        close(*fd);
+    *fd = -1;
+    return 0;
+}
+
+static void exec_cleanup(struct exec_io *io)
+{
+    if (io->out_fd >= 0 && io->out_fd != io->master)
+        close(io->out_fd);
+    if (io->err_fd >= 0)
+        close(io->err_fd);
+    close_stdin(io);
+    if (io->master >= 0)
+        close(io->master);
+    io->out_fd = io->err_fd = io->master = -1;
+}
+
+static int reap(pid_t pid, int *status)
+{
+    for (;;) {
+        if (waitpid(pid, status, 0) == pid)
+            return 0;
+        if (errno != EINTR)
+            return -1;
+    }
+}
+
+/* The command runs; stream until it is done. Returns -1 if the client went away (the
+ * command has then been killed and reaped). */
+static int exec_stream(struct exec_io *io, int64_t timeout_ms)
+{
+    int64_t deadline = timeout_ms > 0 ? now_ms() + timeout_ms : -1;
+    int64_t drain_deadline = -1;
+    enum { P_SIG, P_SOCK, P_OUT, P_ERR, P_IN, P_MAX };
+
+    for (;;) {
+        int64_t now = now_ms();
+        if (!io->exited && deadline >= 0 && now >= deadline && !io->timed_out) {
+            kill_group(io->pid);
+            io->timed_out = 1;
+        }
+        if (io->exited && ((io->out_fd < 0 && io->err_fd < 0) || now >= drain_deadline))
+            break;
+
+        struct pollfd p[P_MAX];
+        int idx[P_MAX];
+        int np = 0;
+        for (int i = 0; i < P_MAX; i++)
+            idx[i] = -1;
+#define WATCH(slot, fd_, ev)                                                                   \
+    do {                                                                                       \
+        idx[slot] = np;                                                                        \
+        p[np++] = (struct pollfd){.fd = (fd_), .events = (ev)};                                \
+    } while (0)
+        WATCH(P_SIG, g_sigpipe[0], POLLIN);
+        WATCH(P_SOCK, io->sock, (short)((rx_paused(io) ? 0 : POLLIN) | (io->tx_len ? POLLOUT : 0)));
+        if (!io->tx_len && io->out_fd >= 0)
+            WATCH(P_OUT, io->out_fd, POLLIN);
+        if (!io->tx_len && io->err_fd >= 0)
+            WATCH(P_ERR, io->err_fd, POLLIN);
+        if (io->in_fd >= 0 && io->in_off < io->in_len)
+            WATCH(P_IN, io->in_fd, POLLOUT);
+#undef WATCH
+        /* The 1 s cap is a safety net should a SIGCHLD ever go missing. */
+        int timeout = 1000;
+        if (io->exited)
+            timeout = ms_until(drain_deadline, now, 1000);
+        else if (deadline >= 0)
+            timeout = ms_until(deadline, now, 1000);
+
+        int n = poll(p, (nfds_t)np, timeout);
+        if (n < 0) {
+            if (errno == EINTR)
+                continue;
+            logmsg("exec: poll: %s", strerror(errno));
+            goto gone;
+        }
+        if (p[idx[P_SIG]].revents)
+            drain_fd(g_sigpipe[0]);
+        if (!io->exited && child_exited(io->pid)) {
+            io->exited = 1;
+            drain_deadline = now_ms() + DRAIN_MS;
+        }
+
+        short rev = p[idx[P_SOCK]].revents;
+        if (rev & (POLLERR | POLLHUP | POLLNVAL))
+            goto gone; /* the client hung up: nobody wants this command any more */
+        if ((rev & POLLOUT) && exec_tx_flush(io) < 0)
+            goto gone;
+        if ((rev & POLLIN) && exec_rx(io) < 0)
+            goto gone;
+
+        if (idx[P_IN] >= 0 && p[idx[P_IN]].revents)
+            exec_write_stdin(io);
+        if (io->in_close_pending && io->in_off >= io->in_len)
+            close_stdin(io);
+
+        /* Output is read only into an empty tx buffer and sent right away: one chunk in
+         * flight at most, so a slow client slows the command instead of filling memory. */
+        if (idx[P_OUT] >= 0 && p[idx[P_OUT]].revents && io->out_fd >= 0 && !io->tx_len &&
+            exec_read_output(io, &io->out_fd, 'O') && exec_tx_flush(io) < 0)
+            goto gone;
+        if (idx[P_ERR] >= 0 && p[idx[P_ERR]].revents && io->err_fd >= 0 && !io->tx_len &&
+            exec_read_output(io, &io->err_fd, 'R') && exec_tx_flush(io) < 0)
+            goto gone;
+    }
+
+    /* The command is done. Whatever is left in its group (a daemonised grandchild holding
+     * our pipes) goes too; then deliver what already sits in the pipes, boundedly, since a
+     * process that escaped the group could keep writing. */
+    kill_group(io->pid);
+    int *fds[2] = {&io->out_fd, &io->err_fd};
+    const char types[2] = {'O', 'R'};
+    for (int i = 0; i < 2; i++) {
+        size_t total = 0;
+        while (*fds[i] >= 0 && total < FINAL_DRAIN_LIMIT) {
+            if (write_all(io->sock, io->tx + io->tx_off, io->tx_len - io->tx_off) < 0)
+                goto gone;
+            io->tx_off = io->tx_len = 0;
+            if (!exec_read_output(io, fds[i], types[i]))
+                break;
+            total += io->tx_len - HEADER_LEN;
+        }
+    }
+    if (write_all(io->sock, io->tx + io->tx_off, io->tx_len - io->tx_off) < 0)
+        goto gone;
+    io->tx_off = io->tx_len = 0;
+    exec_cleanup(io);
+    return 0;
+
+gone:
+    kill_group(io->pid);
+    exec_cleanup(io);
+    int status;
+    reap(io->pid, &status);
+    g_cmd_pgid = 0;
+    return -1;
+}
+
+static void op_exec(const struct request *r)
+{
+    struct exec_io io;
+    memset(&io, 0, sizeof io);
+    io.sock = g_out.fd;
+    io.out_fd = io.err_fd = io.in_fd = io.master = -1;
+
+    size_t argc = 0, pos = 0;
+    while (next_field(r->buf, r->len, "arg", &pos))
+        argc++;
+    if (argc == 0) {
+        reply_error(EINVAL, "exec needs at least one arg");
+        return;
+    }
+    pos = 0;
+    const char *entry;
+    while ((entry = next_field(r->buf, r->len, "env", &pos)) != NULL) {
+        if (!strchr(entry, '=') || entry[0] == '=') {
+            reply_error(EINVAL, "bad env entry %.256s: expected NAME=VALUE", entry);
+            return;
+        }
+    }
+    unsigned long long timeout_ms = 0, rows = 24, cols = 80;
+    const char *v = req_get(r, "timeout_ms");
+    if (v && parse_uint(v, 10, 1000ULL * 86400 * 365, &timeout_ms) < 0) {
+        reply_error(EINVAL, "bad timeout_ms %.64s", v);
+        return;
+    }
+    int tty = req_flag(r, "tty");
+    if (((v = req_get(r, "rows")) && parse_uint(v, 10, 65535, &rows) < 0) ||
+        ((v = req_get(r, "cols")) && parse_uint(v, 10, 65535, &cols) < 0)) {
+        reply_error(EINVAL, "bad rows/cols");
+        return;
+    }
+    const char *cwd = req_get(r, "cwd");
+    if (!cwd || !*cwd)
+        cwd = "/";
+
+    char **argv = calloc(argc + 1, sizeof *argv);
+    char **sh_argv = calloc(argc + 2, sizeof *sh_argv);
+    char **envp = merge_env(r);
+    io.rx_buf = malloc(MAX_PAYLOAD + 1);
+    io.in_buf = malloc(MAX_PAYLOAD + 1);
+    io.tx = malloc(HEADER_LEN + (FILE_CHUNK > OUTPUT_CHUNK ? FILE_CHUNK : OUTPUT_CHUNK));
+    if (!argv || !sh_argv || !envp || !io.rx_buf || !io.in_buf || !io.tx) {
+        reply_errno(ENOMEM, "exec");
+        return; /* the handler exits right after; no point freeing */
+    }
+    pos = 0;
+    for (size_t i = 0; i < argc; i++)
+        argv[i] = (char *)next_field(r->buf, r->len, "arg", &pos);
+
+    /* Child-side fds, closed in the parent after fork. */
+    int c_in = -1, c_out = -1, c_err = -1, c_tty = -1;
+    int report[2] = {-1, -1}, p[2];
+    if (pipe2(report, O_CLOEXEC) < 0)
+        goto setup_failed;
+    if (tty) {
+        if (open_pty(&io.master, &c_tty, (unsigned short)rows, (unsigned short)cols) < 0)
+            goto setup_failed;
+        io.out_fd = io.in_fd = io.master;
+    } else {
+        if (pipe2(p, O_CLOEXEC) < 0)
+            goto setup_failed;
+        io.out_fd = p[0];
+        c_out = p[1];
+        if (pipe2(p, O_CLOEXEC) < 0)
+            goto setup_failed;
+        io.err_fd = p[0];
+        c_err = p[1];
+        if (req_flag(r, "stdin")) {
+            if (pipe2(p, O_CLOEXEC) < 0)
+                goto setup_failed;
+            c_in = p[0];
+            io.in_fd = p[1];
+        } else if ((c_in = open("/dev/null", O_RDONLY | O_CLOEXEC)) < 0) {
+            /* No /dev/null in this image: an empty pipe reads as EOF just the same. */
+            if (pipe2(p, O_CLOEXEC) < 0)
+                goto setup_failed;
+            c_in = p[0];
+            close(p[1]);
+        }
+    }
+
+    /* The child runs on this stack until it execs; we are suspended meanwhile. */
+    static char spawn_stack[64 << 10] __attribute__((aligned(16)));
+    struct spawn sp = {argv, envp, sh_argv, cwd, c_in, c_out, c_err, c_tty, report[1]};
+    sigset_t old;
+    block_signals(&old);
+    pid_t pid = clone(spawn_child, spawn_stack + sizeof spawn_stack, CLONE_VM | CLONE_VFORK | SIGCHLD, &sp);
+    int fork_err = errno;
+    if (pid > 0)
+        g_cmd_pgid = pid;
+    sigprocmask(SIG_SETMASK, &old, NULL);
+    close(report[1]);
+    report[1] = -1;
+    if (pid < 0) {
+        errno = fork_err;
+        goto setup_failed;
+    }
+    io.pid = pid;
+    int child_fds[] = {c_in, c_out, c_err, c_tty};
+    for (size_t i = 0; i < sizeof child_fds / sizeof child_fds[0]; i++)
+        if (child_fds[i] >= 0)
+            close(child_fds[i]);
+
+    /* The report pipe closes on a successful exec; before that, the child writes why not. */
+    struct exec_failure fail;
+    ssize_t got;
+    do
+        got = read(report[0], &fail, sizeof fail);
+    while (got < 0 && errno == EINTR);
+    close(report[0]);
+    if (got == (ssize_t)sizeof fail) {
+        int status;
+        reap(pid, &status);
+        g_cmd_pgid = 0;
+        exec_cleanup(&io);
+        if (fail.stage == STAGE_CHDIR)
+            reply_error(fail.err, "chdir %.2048s: %s", cwd, strerror(fail.err));
+        else if (fail.stage == STAGE_EXEC)
+            reply_error(fail.err, "exec %.2048s: %s", argv[0], strerror(fail.err));
+        else
+            reply_error(fail.err, "starting %.2048s: %s", argv[0], strerror(fail.err));
+        return;
+    }
+
+    struct fields f = {0};
+    field_addf(&f, "pid", "%d", (int)pid);
+    reply_fields('S', &f);
+    out_flush();
+    if (g_out.failed) {
+        kill_group(pid);
+        exec_cleanup(&io);
+        int status;
+        reap(pid, &status);
+        return;
+    }
+
+    set_nonblock(io.sock);
+    if (io.out_fd >= 0)
+        set_nonblock(io.out_fd);
+    if (io.err_fd >= 0)
+        set_nonblock(io.err_fd);
+    if (io.in_fd >= 0)
+        set_nonblock(io.in_fd);
+
+    if (exec_stream(&io, (int64_t)timeout_ms) < 0)
+        return;
+
+    int status = 0;
+    int reaped = reap(pid, &status) == 0;
+    g_cmd_pgid = 0;
+    int code = -1, sig = 0;
+    if (io.timed_out) {
+        sig = SIGKILL;
+    } else if (reaped && WIFEXITED(status)) {
+        code = WEXITSTATUS(status);
+    } else if (reaped && WIFSIGNALED(status)) {
+        sig = WTERMSIG(status);
+        code = 128 + sig;
+    }
+    f.len = 0;
+    field_addf(&f, "code", "%d", code);
+    field_addf(&f, "signal", "%d", sig);
+    field_addf(&f, "timed_out", "%d", io.timed_out);
+    reply_fields('X', &f);
+    return;
+
+setup_failed: {
+    int err = errno;
+    int fds[] = {c_in, c_out, c_err, c_tty, report[0], report[1]};
+    for (size_t i = 0; i < sizeof fds / sizeof fds[0]; i++)
+        if (fds[i] >= 0)
+            close(fds[i]);
+    exec_cleanup(&io);
+    reply_errno(err, "exec setup");
+}
+}
+
+/* ---- one connection -------------------------------------------------------------------- */
+
+/* Half-close, then wait briefly for the client to hang up before closing: closing a socket
+ * with unread input can make the client lose the reply it has not read yet. */
+static void linger_close(int sock)
+{
+    shutdown(sock, SHUT_WR);
+    int64_t deadline = now_ms() + LINGER_MS;
+    char buf[16384];
+    while (wait_fd(sock, POLLIN, deadline) == 1) {
+        ssize_t n = read(sock, buf, sizeof buf);
+        if (n == 0 || (n < 0 && errno != EINTR && errno != EAGAIN && errno != EWOULDBLOCK))
+            break;
+    }
+    close(sock);
+}
+
+static void serve(int sock)
+{
+    g_out.fd = sock;
+    g_out.len = 0;
+    g_out.failed = 0;
+    struct request req = {0};
+    req.buf = malloc(MAX_PAYLOAD + 1);
+    if (!req.buf) {
+        close(sock);
+        return;
+    }
+    int rc = read_frame(sock, &req.type, req.buf, &req.len, now_ms() + REQUEST_TIMEOUT_MS);
+    if (rc == FRAME_TOO_BIG) {
+        reply_error(EMSGSIZE, "frame larger than %u bytes", MAX_PAYLOAD);
+    } else if (rc != FRAME_OK) {
+        close(sock);
+        return;
+    } else {
+        switch (req.type) {
+        case 'P':
+            op_ping();
+            break;
+        case 'E':
+            op_exec(&req);
+            break;
+        case 'R':
+            op_read(&req);
+            break;
+        case 'W':
+            op_write(&req);
+            break;
+        case 'L':
+            op_list(&req);
+            break;
+        case 'M':
+            op_mkdir(&req);
+            break;
+        case 'D':
+            op_delete(&req);
+            break;
+        case 'S':
+            op_stat(&req);
+            break;
+        default:
+            reply_error(EINVAL, "unknown request type 0x%02x", (unsigned char)req.type);
+            break;
+        }
+    }
+    out_flush();
+    linger_close(sock);
+}
+
+/* ---- the main process ------------------------------------------------------------------ */
+
+static void track_handler(pid_t pid)
+{
+    if (g_nhandlers == g_handlers_cap) {
+        size_t cap = g_handlers_cap ? g_handlers_cap * 2 : 64;
+        pid_t *p = realloc(g_handlers, cap * sizeof *p);
+        if (!p)
+            return; /* untracked: only matters for a non-init agent's shutdown */
+        g_handlers = p;
+        g_handlers_cap = cap;
+    }
+    g_handlers[g_nhandlers++] = pid;
+}
+
+/* Reaps every exited child: handlers and, as PID 1, every orphan in the sandbox.
+ * Returns 1 while any child remains. */
+static int reap_children(void)
+{
+    for (;;) {
+        int status;
+        pid_t pid = waitpid(-1, &status, WNOHANG);
+        if (pid > 0) {
+            for (size_t i = 0; i < g_nhandlers; i++) {
+                if (g_handlers[i] == pid) {
+                    g_handlers[i] = g_handlers[--g_nhandlers];
+                    break;
+                }
+            }
+            continue;
+        }
+        if (pid == 0)
+            return 1;
+        if (errno == EINTR)
+            continue;
+        return errno != ECHILD;
+    }
+}
+
+static void start_handler(int listen_fd, int fd)
+{
+    sigset_t old;
+    block_signals(&old);
+    pid_t pid = fork();
+    if (pid == 0) {
+        close(listen_fd);
+        close(g_sigpipe[0]);
+        close(g_sigpipe[1]);
+        g_sigpipe[0] = g_sigpipe[1] = -1;
+        if (make_sigpipe() < 0)
+            _exit(1);
+        set_handler(SIGCHLD, on_signal);
+        if (g_is_init) {
+            /* PID 1's kill(-1, SIGTERM) reaches the commands directly; the handler stays to
+             * report their exit, and SIGKILL ends it if they outlast the grace period. */
+            set_handler(SIGTERM, SIG_IGN);
+            set_handler(SIGINT, SIG_IGN);
+        } else {
+            set_handler(SIGTERM, on_handler_term);
+            set_handler(SIGINT, on_handler_term);
+            prctl(PR_SET_PDEATHSIG, SIGTERM);
+            if (getppid() != g_agent_pid)
+                _exit(0); /* the agent died before the line above */
+        }
+        sigprocmask(SIG_SETMASK, &old, NULL);
+        serve(fd);
+        _exit(0);
+    }
+    int err = errno;
+    if (pid > 0)
+        track_handler(pid);
+    sigprocmask(SIG_SETMASK, &old, NULL);
+    if (pid < 0) {
+        logmsg("fork: %s", strerror(err));
+        g_out.fd = fd;
+        g_out.len = 0;
+        g_out.failed = 0;
+        reply_error(err, "agent cannot fork: %s", strerror(err));
+        out_flush();
+    }
+    close(fd);
+}
+
+static void accept_all(int listen_fd)
+{
+    for (;;) {
+        int fd = accept4(listen_fd, NULL, NULL, SOCK_CLOEXEC);
+        if (fd >= 0) {
+            start_handler(listen_fd, fd);
+            continue;
+        }
+        if (errno == EINTR || errno == ECONNABORTED)
+            continue;
+        if (errno != EAGAIN && errno != EWOULDBLOCK) {
+            /* EMFILE, ENOBUFS...: back off instead of spinning on a ready listen socket */
+            logmsg("accept: %s", strerror(errno));
+            poll(NULL, 0, 50);
+        }
+        return;
+    }
+}
+
+static int open_listener(const char *path)
+{
+    struct sockaddr_un addr;
+    memset(&addr, 0, sizeof addr);
+    addr.sun_family = AF_UNIX;
+    if (strlen(path) >= sizeof addr.sun_path) {
+        logmsg("socket path too long (max %zu bytes): %s", sizeof addr.sun_path - 1, path);
+        return -1;
+    }
+    strcpy(addr.sun_path, path);
+
+    const char *slash = strrchr(path, '/');
+    if (slash && slash != path) {
+        char parent[sizeof addr.sun_path];
+        memcpy(parent, path, (size_t)(slash - path));
+        parent[slash - path] = '\0';
+        mkdir_p(parent, 0755, NULL);
+    }
+    struct stat st;
+    if (lstat(path, &st) == 0) {
+        if (!S_ISSOCK(st.st_mode)) {
+            logmsg("%s exists and is not a socket; not replacing it", path);
+            return -1;
+        }
+        unlink(path); /* stale, from an earlier run */
+    }
+    int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
+    if (fd < 0) {
+        logmsg("socket: %s", strerror(errno));
+        return -1;
+    }
+    /* The umask closes the window between bind and chmod; restored at once, because the
+     * commands inherit it. */
+    mode_t old_umask = umask(077);
+    int rc = bind(fd, (struct sockaddr *)&addr, sizeof addr);
+    umask(old_umask);
+    if (rc < 0) {
+        logmsg("bind %s: %s", path, strerror(errno));
+        close(fd);
+        return -1;
+    }
+    chmod(path, 0600);
+    if (listen(fd, 128) < 0) {
+        logmsg("listen: %s", strerror(errno));
+        close(fd);
+        return -1;
+    }
+    return fd;
+}
+
+/* SIGTERM: stop taking connections, end everything, exit 0. */
+static void shutdown_agent(int listen_fd, const char *socket_path)
+{
+    close(listen_fd);
+    unlink(socket_path);
+    if (g_is_init) {
+        kill(-1, SIGTERM); /* every process in the sandbox except us */
+    } else {
+        for (size_t i = 0; i < g_nhandlers; i++)
+            kill(g_handlers[i], SIGTERM);
+    }
+    int64_t deadline = now_ms() + SHUTDOWN_GRACE_MS;
+    while (reap_children() && now_ms() < deadline) {
+        struct pollfd p = {.fd = g_sigpipe[0], .events = POLLIN};
+        if (poll(&p, 1, ms_until(deadline, now_ms(), 50)) > 0)
+            drain_fd(g_sigpipe[0]);
+    }
+    if (reap_children()) {
+        if (g_is_init) {
+            kill(-1, SIGKILL);
+        } else {
+            for (size_t i = 0; i < g_nhandlers; i++)
+                kill(g_handlers[i], SIGKILL);
+        }
+        deadline = now_ms() + 1000;
+        while (reap_children() && now_ms() < deadline)
+            poll(NULL, 0, 10);
+    }
+    exit(0);
+}
+
+static void usage(FILE *out)
+{
+    fprintf(out, "usage: hangar-agent [--socket PATH]\n"
+                 "Serves exec and file requests on a unix socket (default %s,\n"
+                 "or $HANGAR_AGENT_SOCKET). Meant to run as PID 1 of a sandbox.\n",
+            DEFAULT_SOCKET);
+}
+
+int main(int argc, char **argv)
+{
+    const char *socket_path = getenv("HANGAR_AGENT_SOCKET");
+    if (!socket_path || !*socket_path)
+        socket_path = DEFAULT_SOCKET;
+    for (int i = 1; i < argc; i++) {
+        if (strcmp(argv[i], "--socket") == 0 && i + 1 < argc) {
+            socket_path = argv[++i];
+        } else if (strncmp(argv[i], "--socket=", 9) == 0) {
+            socket_path = argv[i] + 9;
+        } else if (strcmp(argv[i], "--help") == 0 || strcmp(argv[i], "-h") == 0) {
+            usage(stdout);
+            return 0;
+        } else {
+            usage(stderr);
+            return 2;
+        }
+    }
+
+    /* Keep fds 0-2 taken, so no pipe or socket of ours can land there: child_exec relies on
+     * that when it dup2()s onto them. */
+    for (int fd = 0; fd < 3; fd++)
+        if (fcntl(fd, F_GETFD) < 0 && open("/dev/null", O_RDWR) < 0)
+            return 1;
+
+    g_agent_pid = getpid();
+    g_is_init = g_agent_pid == 1;
+    signal(SIGPIPE, SIG_IGN); /* a vanished client is an EPIPE to handle, not a death */
+    if (make_sigpipe() < 0) {
+        logmsg("pipe: %s", strerror(errno));
+        return 1;
+    }
+    set_handler(SIGCHLD, on_signal);
+    set_handler(SIGTERM, on_signal);
+    set_handler(SIGINT, on_signal);
+
+    int listen_fd = open_listener(socket_path);
+    if (listen_fd < 0)
+        return 1;
+    static const char ready[] = "hangar-agent ready\n";
+    if (write_all(STDERR_FILENO, ready, sizeof ready - 1) < 0) {
+        /* stderr may be gone; nothing to do about it */
+    }
+
+    while (!g_got_term) {
+        struct pollfd p[2] = {
+            {.fd = listen_fd, .events = POLLIN},
+            {.fd = g_sigpipe[0], .events = POLLIN},
+        };
+        /* The timeout only backs up SIGCHLD: orphans must not pile up as zombies. */
+        int n = poll(p, 2, 1000);
+        if (n < 0 && errno != EINTR) {
+            logmsg("poll: %s", strerror(errno));
+            poll(NULL, 0, 50);
+        }
+        if (n > 0 && p[1].revents)
+            drain_fd(g_sigpipe[0]);
+        reap_children();
+        if (n > 0 && (p[0].revents & POLLIN))
+            accept_all(listen_fd);
+    }
+    shutdown_agent(listen_fd, socket_path);
+    return 0;
+}

@@ -1,0 +1,166 @@
+"""The launcher interface: what every isolation runtime on a node implements.
+
+Shaped like jupyter_client's kernel provisioners: a small typed surface, a persisted
+``handle`` (a plain dict) so a restarted node re-adopts the sandboxes it already runs, and
+registration by name through the ``hangar.launchers`` entry point group. Nothing here imports
+Django: a node can run and test launchers with no database.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+OutputCallback = Callable[[str, bytes], None]
+
+
+class LauncherError(Exception):
+    """A runtime operation failed; the message is safe to show to the sandbox's owner."""
+
+
+class SandboxNotRunning(LauncherError):
+    """The sandbox exists on the node but its processes are gone (or it never started)."""
+
+    def __init__(self, message: str, *, reason: str | None = None) -> None:
+        super().__init__(message)
+        self.reason = reason or message
+
+
+class SandboxGone(LauncherError):
+    """The node has no trace of the sandbox."""
+
+
+class FileOpError(LauncherError):
+    """A file operation inside the sandbox failed (``errno_name`` is e.g. ``ENOENT``)."""
+
+    def __init__(self, errno_name: str, message: str) -> None:
+        super().__init__(f"{errno_name}: {message}")
+        self.errno_name = errno_name
+        self.message = message
+
+
+@dataclass(frozen=True)
+class Mount:
+    source: str
+    destination: str
+    read_only: bool = False
+
+
+@dataclass(frozen=True)
+class SandboxSpec:
+    """Everything a launcher needs to start one sandbox."""
+
+    id: str
+    rootfs: Path
+    cpu: float = 1.0
+    memory_mb: int = 512
+    env: dict[str, str] = field(default_factory=dict)
+    mounts: tuple[Mount, ...] = ()
+    hostname: str = "sandbox"
+    working_dir: str = "/"
+    network: str = "none"
+
+
+@dataclass
+class ExecRequest:
+    argv: list[str]
+    env: dict[str, str] = field(default_factory=dict)
+    cwd: str | None = None
+    stdin: bytes | None = None
+    timeout: float | None = None
+    max_output: int | None = None
+
+
+@dataclass
+class ExecResult:
+    exit_code: int
+    stdout: bytes
+    stderr: bytes
+    duration_ms: float
+    timed_out: bool = False
+    signal: int = 0
+    truncated: bool = False
+
+
+@dataclass(frozen=True)
+class FileEntry:
+    name: str
+    path: str
+    type: str
+    size: int
+    mode: int
+    mtime: float
+
+
+@dataclass(frozen=True)
+class RuntimeState:
+    """What the node sees for one sandbox: ``running``, ``paused``, ``stopped`` or ``missing``."""
+
+    status: str
+    reason: str | None = None
+
+
+@dataclass(frozen=True)
+class Stats:
+    cpu_seconds: float
+    memory_bytes: int
+    memory_limit_bytes: int
+    pids: int = 0
+
+
+Handle = dict[str, Any]
+
+
+class Launcher(abc.ABC):
+    """One isolation runtime on one node. Every method is safe to call twice."""
+
+    name: str = ""
+
+    @abc.abstractmethod
+    def create(self, spec: SandboxSpec) -> Handle:
+        """Create and start the sandbox; return once its agent answers. Returns the handle to persist."""
+
+    @abc.abstractmethod
+    def exec(
+        self, handle: Handle, request: ExecRequest, on_output: OutputCallback | None = None
+    ) -> ExecResult:
+        """Run one command to completion (or timeout), streaming output to ``on_output``."""
+
+    @abc.abstractmethod
+    def read_file(self, handle: Handle, path: str) -> tuple[FileEntry, Iterator[bytes]]:
+        """Stream a file's bytes, resolved inside the sandbox."""
+
+    @abc.abstractmethod
+    def write_file(self, handle: Handle, path: str, data: bytes | Iterable[bytes], mode: int = 0o644) -> int:
+        """Write (atomically replace) a file inside the sandbox; returns bytes written."""
+
+    @abc.abstractmethod
+    def list_files(self, handle: Handle, path: str) -> list[FileEntry]:
+        """List a directory inside the sandbox (symlinks are reported, never followed)."""
+
+    @abc.abstractmethod
+    def stop(self, handle: Handle, timeout: float = 5.0) -> None:
+        """Stop every process of the sandbox (SIGTERM, then SIGKILL after ``timeout``)."""
+
+    @abc.abstractmethod
+    def destroy(self, handle: Handle) -> None:
+        """Remove everything the sandbox holds on the node: processes, mounts, cgroups, state."""
+
+    @abc.abstractmethod
+    def state(self, handle: Handle) -> RuntimeState:
+        """What the runtime reports for this sandbox right now."""
+
+    @abc.abstractmethod
+    def list(self) -> list[str]:
+        """Ids of every sandbox this launcher holds resources for on this node (for reconciliation)."""
+
+    @abc.abstractmethod
+    def destroy_id(self, sandbox_id: str) -> None:
+        """Destroy by id alone: reconciliation of resources that no row owns."""
+
+    @abc.abstractmethod
+    def stats(self, handle: Handle) -> Stats:
+        """CPU and memory the sandbox uses now."""

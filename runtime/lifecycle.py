@@ -1,0 +1,63 @@
+"""The sandbox state machine. Every transition is a conditional update on the current status,
+so a retried or duplicated task that finds the row already moved does nothing."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from django.db import transaction
+from django.utils import timezone
+
+from . import notify
+from .models import Sandbox, SandboxEvent
+
+S = Sandbox.Status
+
+TRANSITIONS: dict[str, set[str]] = {
+    S.PENDING: {S.STARTING, S.STOPPING, S.FAILED},
+    S.STARTING: {S.RUNNING, S.STOPPING, S.FAILED},
+    S.RUNNING: {S.STOPPING, S.FAILED},
+    S.STOPPING: {S.STOPPED, S.DELETED, S.FAILED},
+    S.STOPPED: {S.STOPPING, S.DELETED},
+    S.FAILED: {S.STOPPING, S.DELETED},
+    S.DELETED: set(),
+}
+
+
+def sources_of(target: str) -> list[str]:
+    return [src for src, targets in TRANSITIONS.items() if target in targets]
+
+
+def transition(
+    sandbox_id: str,
+    *,
+    to: str,
+    frm: list[str] | tuple[str, ...] | None = None,
+    reason: str = "",
+    fields: dict[str, Any] | None = None,
+) -> bool:
+    """Move the sandbox to ``to`` if its status is one of ``frm`` (default: every legal source).
+
+    Returns False, changing nothing, when another process got there first.
+    """
+    allowed = list(frm) if frm is not None else sources_of(to)
+    illegal = [s for s in allowed if to not in TRANSITIONS[s]]
+    if illegal:
+        raise ValueError(f"illegal transition {illegal} -> {to}")
+    with transaction.atomic():
+        row = Sandbox.objects.select_for_update().filter(id=sandbox_id, status__in=allowed).first()
+        if row is None:
+            return False
+        updates: dict[str, Any] = {"status": to, "updated_at": timezone.now(), **(fields or {})}
+        if reason or to in (S.FAILED, S.RUNNING):
+            updates["status_reason"] = reason
+        Sandbox.objects.filter(id=sandbox_id).update(**updates)
+        SandboxEvent.objects.create(
+            sandbox_id=sandbox_id, kind="status", status_from=row.status, status_to=to, message=reason
+        )
+        transaction.on_commit(lambda: notify.sandbox_changed(sandbox_id, to))
+    return True
+
+
+def record_event(sandbox_id: str, kind: str, message: str = "", **data: Any) -> None:
+    SandboxEvent.objects.create(sandbox_id=sandbox_id, kind=kind, message=message, data=data)

@@ -1,0 +1,179 @@
+"""Hangar's state: teams, tokens, nodes, images, sandboxes and what happened to them."""
+
+from __future__ import annotations
+
+import secrets
+import string
+
+from django.conf import settings
+from django.db import models
+from django.db.models import Q
+
+_ID_ALPHABET = string.ascii_lowercase + string.digits
+
+
+def new_id(prefix: str, length: int = 16) -> str:
+    # Lowercase letters and digits only: ids become host names and DNS labels (preview URLs).
+    return prefix + "".join(secrets.choice(_ID_ALPHABET) for _ in range(length))
+
+
+def new_sandbox_id() -> str:
+    return new_id("sb")
+
+
+class Team(models.Model):
+    name = models.CharField(max_length=100, unique=True)
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    def __str__(self) -> str:
+        return self.name
+
+
+class Membership(models.Model):
+    class Role(models.TextChoices):
+        OWNER = "owner"
+        ADMIN = "admin"
+        MEMBER = "member"
+        VIEWER = "viewer"
+
+    user = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="memberships")
+    team = models.ForeignKey(Team, on_delete=models.CASCADE, related_name="memberships")
+    role = models.CharField(max_length=16, choices=Role.choices, default=Role.MEMBER)
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        constraints = [models.UniqueConstraint(fields=["user", "team"], name="membership_unique")]
+
+
+class ApiToken(models.Model):
+    user = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="api_tokens")
+    team = models.ForeignKey(Team, on_delete=models.CASCADE, related_name="api_tokens")
+    name = models.CharField(max_length=100, blank=True)
+    prefix = models.CharField(max_length=12)
+    token_hash = models.CharField(max_length=64, unique=True)
+    created_at = models.DateTimeField(auto_now_add=True)
+    last_used_at = models.DateTimeField(null=True, blank=True)
+    expires_at = models.DateTimeField(null=True, blank=True)
+    revoked_at = models.DateTimeField(null=True, blank=True)
+
+
+class Node(models.Model):
+    class Status(models.TextChoices):
+        ONLINE = "online"
+        OFFLINE = "offline"
+        DRAINING = "draining"
+
+    name = models.CharField(max_length=100, unique=True)
+    status = models.CharField(max_length=16, choices=Status.choices, default=Status.ONLINE)
+    runtimes = models.JSONField(default=list)
+    cpu_capacity = models.FloatField(default=1.0)
+    memory_mb_capacity = models.IntegerField(default=1024)
+    version = models.CharField(max_length=32, blank=True)
+    heartbeat_at = models.DateTimeField(null=True, blank=True)
+    started_at = models.DateTimeField(null=True, blank=True)
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    @property
+    def queue(self) -> str:
+        return f"node.{self.name}"
+
+    def __str__(self) -> str:
+        return self.name
+
+
+class Image(models.Model):
+    """An image name known to the control plane; ``nodes`` are those that hold its rootfs."""
+
+    name = models.CharField(max_length=128, unique=True)
+    digest = models.CharField(max_length=80)
+    size_bytes = models.BigIntegerField(default=0)
+    source = models.CharField(max_length=300, blank=True)
+    config = models.JSONField(default=dict)
+    nodes = models.ManyToManyField(Node, related_name="images", blank=True)
+    created_at = models.DateTimeField(auto_now_add=True)
+    updated_at = models.DateTimeField(auto_now=True)
+
+    def __str__(self) -> str:
+        return self.name
+
+
+class Sandbox(models.Model):
+    class Status(models.TextChoices):
+        PENDING = "pending"
+        STARTING = "starting"
+        RUNNING = "running"
+        STOPPING = "stopping"
+        STOPPED = "stopped"
+        FAILED = "failed"
+        DELETED = "deleted"
+
+    ACTIVE = (Status.PENDING, Status.STARTING, Status.RUNNING, Status.STOPPING)
+
+    id = models.CharField(primary_key=True, max_length=32, default=new_sandbox_id, editable=False)
+    team = models.ForeignKey(Team, on_delete=models.CASCADE, related_name="sandboxes")
+    created_by = models.ForeignKey(settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL)
+    image = models.CharField(max_length=128)
+    image_digest = models.CharField(max_length=80)
+    runtime = models.CharField(max_length=32, default="gvisor")
+    node = models.ForeignKey(Node, null=True, blank=True, on_delete=models.SET_NULL, related_name="sandboxes")
+    status = models.CharField(max_length=16, choices=Status.choices, default=Status.PENDING, db_index=True)
+    status_reason = models.TextField(blank=True)
+    cpu = models.FloatField(default=1.0)
+    memory_mb = models.IntegerField(default=512)
+    timeout_s = models.IntegerField(default=300)
+    env = models.JSONField(default=dict)
+    metadata = models.JSONField(default=dict)
+    handle = models.JSONField(default=dict, blank=True)
+    created_at = models.DateTimeField(auto_now_add=True)
+    started_at = models.DateTimeField(null=True, blank=True)
+    stopped_at = models.DateTimeField(null=True, blank=True)
+    expires_at = models.DateTimeField(null=True, blank=True, db_index=True)
+    updated_at = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        ordering = ["-created_at"]
+        indexes = [
+            models.Index(fields=["team", "status"]),
+            models.Index(fields=["node", "status"]),
+        ]
+
+    def __str__(self) -> str:
+        return self.id
+
+
+class SandboxEvent(models.Model):
+    sandbox = models.ForeignKey(Sandbox, on_delete=models.CASCADE, related_name="events")
+    kind = models.CharField(max_length=32)
+    status_from = models.CharField(max_length=16, blank=True)
+    status_to = models.CharField(max_length=16, blank=True)
+    message = models.TextField(blank=True)
+    data = models.JSONField(default=dict, blank=True)
+    created_at = models.DateTimeField(auto_now_add=True, db_index=True)
+
+    class Meta:
+        ordering = ["created_at", "id"]
+
+
+class Exec(models.Model):
+    sandbox = models.ForeignKey(Sandbox, on_delete=models.CASCADE, related_name="execs")
+    argv = models.JSONField(default=list)
+    cwd = models.CharField(max_length=4096, blank=True)
+    exit_code = models.IntegerField(null=True, blank=True)
+    timed_out = models.BooleanField(default=False)
+    stdout = models.TextField(blank=True)
+    stderr = models.TextField(blank=True)
+    stdout_bytes = models.BigIntegerField(default=0)
+    stderr_bytes = models.BigIntegerField(default=0)
+    error = models.TextField(blank=True)
+    created_by = models.ForeignKey(settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL)
+    started_at = models.DateTimeField(auto_now_add=True)
+    finished_at = models.DateTimeField(null=True, blank=True)
+    duration_ms = models.FloatField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["-started_at"]
+        constraints = [
+            models.CheckConstraint(
+                condition=Q(stdout_bytes__gte=0) & Q(stderr_bytes__gte=0), name="exec_bytes_nonneg"
+            )
+        ]

@@ -1,0 +1,95 @@
+"""Nodes: registration, heartbeats, and the scheduler's choice of node."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+from django.conf import settings
+from django.db.models import Count, Q, Sum
+from django.utils import timezone
+
+from ..errors import NoCapacity
+from ..models import Image, Node, Sandbox
+
+ACTIVE = [Sandbox.Status.PENDING, Sandbox.Status.STARTING, Sandbox.Status.RUNNING]
+
+
+def node_register(*, name: str, runtimes: list[str], cpu: float, memory_mb: int, version: str = "") -> Node:
+    """Create or refresh this node's row and mark it online."""
+    now = timezone.now()
+    node, _ = Node.objects.update_or_create(
+        name=name,
+        defaults={
+            "runtimes": runtimes,
+            "cpu_capacity": cpu,
+            "memory_mb_capacity": memory_mb,
+            "version": version,
+            "status": Node.Status.ONLINE,
+            "heartbeat_at": now,
+            "started_at": now,
+        },
+    )
+    return node
+
+
+def node_heartbeat(*, name: str) -> bool:
+    """Record that the node's worker is alive (and bring an offline node back online)."""
+    Node.objects.filter(name=name, status=Node.Status.OFFLINE).update(status=Node.Status.ONLINE)
+    return Node.objects.filter(name=name).update(heartbeat_at=timezone.now()) > 0
+
+
+def nodes_mark_offline() -> list[str]:
+    """Nodes whose worker has not answered a heartbeat for a while stop getting new sandboxes."""
+    cutoff = timezone.now() - timedelta(seconds=settings.HANGAR_NODE_OFFLINE_AFTER_S)
+    stale = Node.objects.filter(status=Node.Status.ONLINE, heartbeat_at__lt=cutoff)
+    names = list(stale.values_list("name", flat=True))
+    stale.update(status=Node.Status.OFFLINE)
+    return names
+
+
+def nodes_with_usage():
+    active = Q(sandboxes__status__in=ACTIVE)
+    return Node.objects.annotate(
+        cpu_used=Sum("sandboxes__cpu", filter=active),
+        memory_used=Sum("sandboxes__memory_mb", filter=active),
+        sandbox_count=Count("sandboxes", filter=active),
+    ).order_by("name")
+
+
+def node_pick(*, runtime: str, cpu: float, memory_mb: int, image: Image) -> Node:
+    """The online node with the most free memory that runs ``runtime``, holds the image and has
+    room. Call inside a transaction: the chosen node's row stays locked until commit so two
+    concurrent creates cannot both take its last unit of room."""
+    cutoff = timezone.now() - timedelta(seconds=settings.HANGAR_NODE_OFFLINE_AFTER_S)
+    candidates = [
+        n
+        for n in nodes_with_usage().filter(status=Node.Status.ONLINE, heartbeat_at__gte=cutoff)
+        if runtime in (n.runtimes or [])
+    ]
+    if not candidates:
+        runtimes = sorted(
+            {r for n in Node.objects.filter(status=Node.Status.ONLINE) for r in n.runtimes or []}
+        )
+        raise NoCapacity(
+            f"no online node runs runtime {runtime!r}"
+            + (f"; available: {', '.join(runtimes)}" if runtimes else "")
+        )
+    holding = set(image.nodes.values_list("id", flat=True))
+    with_image = [n for n in candidates if n.id in holding]
+    if not with_image:
+        raise NoCapacity(f"image {image.name!r} is not on any online node; build or pull it there first")
+    roomy = []
+    for n in with_image:
+        free_cpu = n.cpu_capacity * settings.HANGAR_CPU_OVERCOMMIT - (n.cpu_used or 0)
+        free_mem = n.memory_mb_capacity * settings.HANGAR_MEMORY_OVERCOMMIT - (n.memory_used or 0)
+        if free_cpu >= cpu and free_mem >= memory_mb:
+            roomy.append((free_mem, free_cpu, n))
+    if not roomy:
+        raise NoCapacity(
+            f"no node has room for {cpu:g} cpu and {memory_mb} MB right now; delete sandboxes or add nodes"
+        )
+    roomy.sort(key=lambda t: (t[0], t[1]), reverse=True)
+    chosen = roomy[0][2]
+    # Lock, then re-check, so the capacity decision holds until this transaction commits.
+    Node.objects.select_for_update().filter(id=chosen.id).first()
+    return chosen

@@ -1,0 +1,523 @@
+"""Sandbox services: create, provision, exec, files, delete, reap, reconcile."""
+
+from __future__ import annotations
+
+import base64
+import logging
+import posixpath
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+from django.conf import settings
+from django.contrib.auth.models import AbstractBaseUser
+from django.db import transaction
+from django.db.models import QuerySet
+from django.utils import timezone
+
+from ..errors import Conflict, InvalidValue, NodeUnavailable, NotFound
+from ..launchers.base import (
+    ExecRequest,
+    ExecResult,
+    FileEntry,
+    FileOpError,
+    LauncherError,
+    SandboxGone,
+    SandboxNotRunning,
+    SandboxSpec,
+)
+from ..launchers.images import ImageError
+from ..lifecycle import record_event, transition
+from ..models import Exec, Sandbox, Team
+from ..node import image_store, launcher_for, local_node_name
+from ..notify import wait_for_status
+from .images import image_resolve
+from .nodes import node_pick
+
+log = logging.getLogger(__name__)
+S = Sandbox.Status
+SETTLED = (S.RUNNING, S.FAILED, S.STOPPING, S.STOPPED, S.DELETED)
+
+
+# -- selectors --------------------------------------------------------------------------------
+
+
+def sandboxes_for_team(*, team: Team, status: str | None = None) -> QuerySet[Sandbox]:
+    qs = Sandbox.objects.filter(team=team).select_related("node")
+    if status:
+        if status not in S.values:
+            raise InvalidValue(f"unknown status {status!r}; one of: {', '.join(S.values)}")
+        return qs.filter(status=status)
+    return qs.exclude(status=S.DELETED)
+
+
+def sandbox_get(*, team: Team, sandbox_id: str) -> Sandbox:
+    sandbox = Sandbox.objects.select_related("node").filter(team=team, id=sandbox_id).first()
+    if sandbox is None:
+        # Another team's sandbox is reported exactly like one that does not exist.
+        raise NotFound(f"no sandbox {sandbox_id!r}")
+    return sandbox
+
+
+# -- create -----------------------------------------------------------------------------------
+
+
+def _validate_limits(*, cpu: float, memory_mb: int, timeout_s: int) -> None:
+    max_cpu = settings.HANGAR_SANDBOX_MAX_CPU
+    if not 0.1 <= cpu <= max_cpu:
+        raise InvalidValue(f"cpu must be between 0.1 and {max_cpu:g}, got {cpu:g}")
+    lo, hi = settings.HANGAR_SANDBOX_MIN_MEMORY_MB, settings.HANGAR_SANDBOX_MAX_MEMORY_MB
+    if not lo <= memory_mb <= hi:
+        raise InvalidValue(f"memory_mb must be between {lo} and {hi}, got {memory_mb}")
+    max_t = settings.HANGAR_SANDBOX_MAX_TIMEOUT_S
+    if not 1 <= timeout_s <= max_t:
+        raise InvalidValue(f"timeout_s must be between 1 and {max_t}, got {timeout_s}")
+
+
+def _validate_env(env: dict[str, str]) -> None:
+    for key, value in env.items():
+        if not key or "=" in key or "\0" in key or not key.replace("_", "a").isalnum() or key[0].isdigit():
+            raise InvalidValue(
+                f"env name {key!r} is not a valid variable name (letters, digits, _; not starting with a digit)"
+            )
+        if "\0" in value:
+            raise InvalidValue(f"env value of {key} contains a NUL byte")
+
+
+def sandbox_create(
+    *,
+    team: Team,
+    user: AbstractBaseUser | None,
+    image: str,
+    runtime: str = "gvisor",
+    cpu: float = 1.0,
+    memory_mb: int = 512,
+    timeout_s: int = 300,
+    env: dict[str, str] | None = None,
+    metadata: dict[str, Any] | None = None,
+) -> Sandbox:
+    """Write a pending sandbox on a node with room and enqueue its provisioning on that node."""
+    env = env or {}
+    _validate_limits(cpu=cpu, memory_mb=memory_mb, timeout_s=timeout_s)
+    _validate_env(env)
+    image_row = image_resolve(image)
+    now = timezone.now()
+    with transaction.atomic():
+        node = node_pick(runtime=runtime, cpu=cpu, memory_mb=memory_mb, image=image_row)
+        sandbox = Sandbox.objects.create(
+            team=team,
+            created_by=user if user is not None and user.is_authenticated else None,
+            image=image_row.name,
+            image_digest=image_row.digest,
+            runtime=runtime,
+            node=node,
+            cpu=cpu,
+            memory_mb=memory_mb,
+            timeout_s=timeout_s,
+            env=env,
+            metadata=metadata or {},
+            expires_at=now + timedelta(seconds=timeout_s),
+        )
+        record_event(sandbox.id, "status", f"scheduled on node {node.name}", node=node.name)
+        transaction.on_commit(lambda: _enqueue("provision", sandbox.id, node.queue))
+    return sandbox
+
+
+def _enqueue(task_name: str, sandbox_id: str, queue: str) -> None:
+    from .. import tasks
+
+    getattr(tasks, task_name).apply_async(args=[sandbox_id], queue=queue)
+
+
+def sandbox_wait(*, sandbox: Sandbox, timeout: float, statuses: Iterable[str] = SETTLED) -> Sandbox:
+    """Wait until the sandbox reaches one of ``statuses`` (or the timeout); returns the fresh row."""
+
+    def read() -> str:
+        return Sandbox.objects.filter(id=sandbox.id).values_list("status", flat=True).first() or S.DELETED
+
+    wait_for_status(sandbox.id, statuses, timeout, read)
+    sandbox.refresh_from_db()
+    return sandbox
+
+
+# -- on the node ------------------------------------------------------------------------------
+
+
+def sandbox_provision(*, sandbox_id: str) -> None:
+    """Start the sandbox on this node; safe to run twice (only a pending row is claimed)."""
+    if not transition(sandbox_id, to=S.STARTING, frm=[S.PENDING]):
+        return
+    sandbox = Sandbox.objects.get(id=sandbox_id)
+    try:
+        info = image_store().get(sandbox.image_digest)
+    except ImageError:
+        transition(
+            sandbox_id,
+            to=S.FAILED,
+            frm=[S.STARTING],
+            reason=f"image {sandbox.image} ({sandbox.image_digest}) is not on node {local_node_name()}",
+        )
+        return
+    image_env = dict(e.split("=", 1) for e in info.config.get("env") or [] if "=" in e)
+    spec = SandboxSpec(
+        id=sandbox.id,
+        rootfs=info.rootfs,
+        cpu=sandbox.cpu,
+        memory_mb=sandbox.memory_mb,
+        env={**image_env, **sandbox.env, "HANGAR_SANDBOX_ID": sandbox.id},
+        hostname=sandbox.id,
+        working_dir=info.config.get("working_dir") or "/",
+    )
+    launcher = launcher_for(sandbox.runtime)
+    try:
+        handle = launcher.create(spec)
+    except LauncherError as exc:
+        log.warning("sandbox %s failed to start: %s", sandbox_id, exc)
+        transition(sandbox_id, to=S.FAILED, frm=[S.STARTING], reason=str(exc))
+        return
+    started = transition(
+        sandbox_id, to=S.RUNNING, frm=[S.STARTING], fields={"handle": handle, "started_at": timezone.now()}
+    )
+    if not started:
+        # Deleted while starting: the destroy task may already have run and found nothing.
+        launcher.destroy(handle)
+
+
+def sandbox_destroy(*, sandbox_id: str) -> None:
+    """Remove the sandbox's runtime resources from this node and mark it deleted."""
+    sandbox = Sandbox.objects.filter(id=sandbox_id).first()
+    if sandbox is None or sandbox.status != S.STOPPING:
+        return
+    launcher_for(sandbox.runtime).destroy_id(sandbox_id)
+    transition(
+        sandbox_id, to=S.DELETED, frm=[S.STOPPING], fields={"stopped_at": timezone.now(), "handle": {}}
+    )
+
+
+def sandbox_fail(*, sandbox_id: str, reason: str) -> bool:
+    """Record that the sandbox died (out of memory, lost by its node…) with the reason."""
+    return transition(
+        sandbox_id, to=S.FAILED, frm=[S.PENDING, S.STARTING, S.RUNNING], reason=reason,
+        fields={"stopped_at": timezone.now()},
+    )  # fmt: skip
+
+
+# -- delete and expiry ------------------------------------------------------------------------
+
+
+def sandbox_delete(*, sandbox: Sandbox, reason: str = "deleted") -> None:
+    """Stop and destroy the sandbox wherever it runs; the row stays, as ``deleted``."""
+    if sandbox.status == S.DELETED:
+        return
+    moved = transition(
+        sandbox.id, to=S.STOPPING, frm=[S.PENDING, S.STARTING, S.RUNNING, S.STOPPED, S.FAILED], reason=reason
+    )
+    if not moved:
+        sandbox.refresh_from_db()
+        if sandbox.status != S.STOPPING:
+            return
+    if sandbox.node_id is None:
+        transition(sandbox.id, to=S.DELETED, frm=[S.STOPPING], fields={"stopped_at": timezone.now()})
+        return
+    queue = sandbox.node.queue  # type: ignore[union-attr]
+    transaction.on_commit(lambda: _enqueue("destroy", sandbox.id, queue))
+
+
+def sandboxes_reap_expired() -> int:
+    """Delete every sandbox past its ``expires_at``."""
+    count = 0
+    expired = Sandbox.objects.filter(
+        status__in=[S.PENDING, S.STARTING, S.RUNNING, S.FAILED], expires_at__lte=timezone.now()
+    ).select_related("node")
+    for sandbox in expired[:500]:
+        sandbox_delete(sandbox=sandbox, reason=f"expired: its timeout of {sandbox.timeout_s} s was reached")
+        count += 1
+    # Destroy tasks lost with a dead worker: re-send for rows stuck in stopping.
+    stuck = Sandbox.objects.filter(status=S.STOPPING, updated_at__lte=timezone.now() - timedelta(minutes=2))
+    for sandbox in stuck.select_related("node")[:100]:
+        if sandbox.node is not None:
+            _enqueue("destroy", sandbox.id, sandbox.node.queue)
+    return count
+
+
+def node_reconcile(*, node_name: str) -> dict[str, list[str]]:
+    """Make this node and the database agree: fail rows whose sandbox is gone, destroy
+    runtime resources that no live row owns."""
+    from ..models import Node
+
+    node = Node.objects.filter(name=node_name).first()
+    report: dict[str, list[str]] = {"failed": [], "destroyed": []}
+    if node is None:
+        return report
+    grace = timezone.now() - timedelta(seconds=120)
+    for runtime in node.runtimes or ["gvisor"]:
+        launcher = launcher_for(runtime)
+        present = set(launcher.list())
+        rows = {
+            r.id: r
+            for r in Sandbox.objects.filter(id__in=present).only(
+                "id", "status", "node_id", "handle", "updated_at", "runtime"
+            )
+        }
+        for sandbox_id in present:
+            row = rows.get(sandbox_id)
+            if row is None or row.status in (S.FAILED, S.DELETED, S.STOPPED) or row.node_id != node.id:
+                launcher.destroy_id(sandbox_id)
+                report["destroyed"].append(sandbox_id)
+        live = Sandbox.objects.filter(node=node, runtime=runtime, status__in=[S.RUNNING, S.STARTING])
+        for row in live:
+            if row.status == S.STARTING and row.updated_at > grace:
+                continue  # being provisioned right now
+            if row.id in present:
+                st = launcher.state(row.handle or {"id": row.id})
+                if st.status == "running":
+                    continue
+                reason = st.reason or f"runtime reports {st.status}"
+            else:
+                reason = f"lost: node {node.name} no longer runs this sandbox"
+            if sandbox_fail(sandbox_id=row.id, reason=reason):
+                report["failed"].append(row.id)
+            if row.id in present:
+                launcher.destroy_id(row.id)
+    return report
+
+
+# -- exec and files ---------------------------------------------------------------------------
+
+
+@dataclass
+class ExecOutcome:
+    exec: Exec
+    result: ExecResult
+
+
+def _require_running(sandbox: Sandbox) -> None:
+    if sandbox.status != S.RUNNING:
+        detail = f": {sandbox.status_reason}" if sandbox.status_reason else ""
+        raise Conflict(f"sandbox {sandbox.id} is {sandbox.status}{detail}", status=sandbox.status)
+
+
+def _check_path(path: str) -> str:
+    if not path or not path.startswith("/"):
+        raise InvalidValue(f"path must be absolute (start with /), got {path!r}")
+    if "\0" in path:
+        raise InvalidValue("path contains a NUL byte")
+    return posixpath.normpath(path) if path != "/" else "/"
+
+
+def _runtime_failure(sandbox: Sandbox, exc: LauncherError) -> Conflict:
+    reason = exc.reason if isinstance(exc, SandboxNotRunning) else str(exc)
+    if isinstance(exc, (SandboxNotRunning, SandboxGone)):
+        sandbox_fail(sandbox_id=sandbox.id, reason=reason)
+        sandbox.refresh_from_db()
+    return Conflict(f"sandbox {sandbox.id} is no longer running: {reason}", status=sandbox.status)
+
+
+def _is_local(sandbox: Sandbox) -> bool:
+    return sandbox.node is not None and sandbox.node.name == local_node_name()
+
+
+def _remote(sandbox: Sandbox, op: str, payload: dict[str, Any], timeout: float) -> dict[str, Any]:
+    """Run one node operation on the sandbox's node through its queue and wait for the answer."""
+    from celery.exceptions import TimeoutError as CeleryTimeout
+
+    from .. import tasks
+
+    node = sandbox.node
+    assert node is not None
+    async_result = tasks.node_op.apply_async(args=[op, sandbox.id, payload], queue=node.queue)
+    try:
+        answer: dict[str, Any] = async_result.get(timeout=timeout, propagate=True)
+    except CeleryTimeout:
+        raise NodeUnavailable(f"node {node.name} did not answer within {timeout:.0f} s") from None
+    finally:
+        async_result.forget()
+    if "error" in answer:
+        kind = answer["error"]
+        if kind == "file":
+            raise FileOpError(answer["errno"], answer["message"])
+        if kind == "not_running":
+            raise SandboxNotRunning(answer["message"], reason=answer["message"])
+        raise LauncherError(answer["message"])
+    return answer
+
+
+def node_op(*, op: str, sandbox_id: str, payload: dict[str, Any]) -> dict[str, Any]:
+    """The node side of :func:`_remote`: JSON in, JSON out."""
+    sandbox = Sandbox.objects.filter(id=sandbox_id).first()
+    if sandbox is None or not sandbox.handle:
+        return {"error": "not_running", "message": f"sandbox {sandbox_id} is not running on this node"}
+    launcher = launcher_for(sandbox.runtime)
+    try:
+        if op == "exec":
+            req = ExecRequest(
+                argv=payload["argv"], env=payload["env"], cwd=payload["cwd"],
+                stdin=base64.b64decode(payload["stdin"]) if payload["stdin"] is not None else None,
+                timeout=payload["timeout"], max_output=payload["max_output"],
+            )  # fmt: skip
+            r = launcher.exec(sandbox.handle, req)
+            return {
+                "exit_code": r.exit_code, "stdout": base64.b64encode(r.stdout).decode(),
+                "stderr": base64.b64encode(r.stderr).decode(), "duration_ms": r.duration_ms,
+                "timed_out": r.timed_out, "signal": r.signal, "truncated": r.truncated,
+            }  # fmt: skip
+        if op == "read":
+            entry, chunks = launcher.read_file(sandbox.handle, payload["path"])
+            return {"entry": entry.__dict__, "data": base64.b64encode(b"".join(chunks)).decode()}
+        if op == "write":
+            n = launcher.write_file(sandbox.handle, payload["path"], base64.b64decode(payload["data"]))
+            return {"size": n}
+        if op == "list":
+            return {"entries": [e.__dict__ for e in launcher.list_files(sandbox.handle, payload["path"])]}
+    except FileOpError as exc:
+        return {"error": "file", "errno": exc.errno_name, "message": exc.message}
+    except SandboxNotRunning as exc:
+        return {"error": "not_running", "message": exc.reason}
+    except LauncherError as exc:
+        return {"error": "launcher", "message": str(exc)}
+    return {"error": "launcher", "message": f"unknown node operation {op!r}"}
+
+
+def _decode_for_storage(data: bytes, limit: int) -> str:
+    return data[:limit].decode("utf-8", errors="replace")
+
+
+def sandbox_exec(
+    *,
+    sandbox: Sandbox,
+    cmd: str | list[str],
+    cwd: str | None = None,
+    env: dict[str, str] | None = None,
+    stdin: bytes | None = None,
+    timeout_s: float = 60,
+    user: AbstractBaseUser | None = None,
+) -> ExecOutcome:
+    """Run a command to completion in a running sandbox; a string runs under ``/bin/sh -c``."""
+    _require_running(sandbox)
+    if isinstance(cmd, str):
+        if not cmd.strip():
+            raise InvalidValue("cmd must not be empty")
+        argv = ["/bin/sh", "-c", cmd]
+    else:
+        if not cmd or not all(isinstance(a, str) for a in cmd) or not cmd[0]:
+            raise InvalidValue("cmd must be a non-empty string or a non-empty list of strings")
+        argv = list(cmd)
+    if any("\0" in a for a in argv):
+        raise InvalidValue("cmd contains a NUL byte")
+    env = env or {}
+    _validate_env(env)
+    max_timeout = settings.HANGAR_EXEC_MAX_TIMEOUT_S
+    if not 0 < timeout_s <= max_timeout:
+        raise InvalidValue(f"timeout_s must be between 1 and {max_timeout}, got {timeout_s:g}")
+    if cwd is not None:
+        cwd = _check_path(cwd)
+    row = Exec.objects.create(
+        sandbox=sandbox, argv=argv, cwd=cwd or "",
+        created_by=user if user is not None and user.is_authenticated else None,
+    )  # fmt: skip
+    max_output = settings.HANGAR_EXEC_MAX_OUTPUT_BYTES
+    try:
+        if _is_local(sandbox):
+            req = ExecRequest(
+                argv=argv, env=env, cwd=cwd, stdin=stdin, timeout=timeout_s, max_output=max_output
+            )
+            result = launcher_for(sandbox.runtime).exec(sandbox.handle, req)
+        else:
+            payload = {
+                "argv": argv, "env": env, "cwd": cwd, "timeout": timeout_s, "max_output": max_output,
+                "stdin": base64.b64encode(stdin).decode() if stdin is not None else None,
+            }  # fmt: skip
+            a = _remote(sandbox, "exec", payload, timeout=timeout_s + 30)
+            result = ExecResult(
+                exit_code=a["exit_code"], stdout=base64.b64decode(a["stdout"]), stderr=base64.b64decode(a["stderr"]),
+                duration_ms=a["duration_ms"], timed_out=a["timed_out"], signal=a["signal"], truncated=a["truncated"],
+            )  # fmt: skip
+    except FileOpError as exc:
+        # The agent could not start the command (no such binary, missing cwd): a client error.
+        Exec.objects.filter(id=row.id).update(error=str(exc), finished_at=timezone.now())
+        raise InvalidValue(f"could not run {argv[0]!r}: {exc.message} ({exc.errno_name})") from exc
+    except LauncherError as exc:
+        Exec.objects.filter(id=row.id).update(error=str(exc), finished_at=timezone.now())
+        raise _runtime_failure(sandbox, exc) from exc
+    keep = settings.HANGAR_EXEC_KEEP_OUTPUT_BYTES
+    Exec.objects.filter(id=row.id).update(
+        exit_code=result.exit_code, timed_out=result.timed_out,
+        stdout=_decode_for_storage(result.stdout, keep), stderr=_decode_for_storage(result.stderr, keep),
+        stdout_bytes=len(result.stdout), stderr_bytes=len(result.stderr),
+        finished_at=timezone.now(), duration_ms=result.duration_ms,
+    )  # fmt: skip
+    row.refresh_from_db()
+    return ExecOutcome(exec=row, result=result)
+
+
+def _file_call(sandbox: Sandbox, fn):
+    _require_running(sandbox)
+    try:
+        return fn()
+    except FileOpError as exc:
+        if exc.errno_name == "ENOENT":
+            raise NotFound(f"{exc.message}") from exc
+        if exc.errno_name in ("EISDIR", "ENOTDIR", "EINVAL", "ENAMETOOLONG", "ELOOP"):
+            raise InvalidValue(f"{exc.message} ({exc.errno_name})") from exc
+        raise Conflict(f"{exc.message} ({exc.errno_name})") from exc
+    except LauncherError as exc:
+        raise _runtime_failure(sandbox, exc) from exc
+
+
+def sandbox_file_write(*, sandbox: Sandbox, path: str, data: bytes) -> int:
+    """Write a file inside the sandbox (parents created, replaced atomically)."""
+    path = _check_path(path)
+    if len(data) > settings.HANGAR_FILE_MAX_BYTES:
+        raise InvalidValue(f"file is larger than the {settings.HANGAR_FILE_MAX_BYTES} byte limit")
+
+    def call() -> int:
+        if _is_local(sandbox):
+            return launcher_for(sandbox.runtime).write_file(sandbox.handle, path, data)
+        return int(
+            _remote(sandbox, "write", {"path": path, "data": base64.b64encode(data).decode()}, 120)["size"]
+        )
+
+    size = _file_call(sandbox, call)
+    record_event(sandbox.id, "file", f"wrote {path} ({size} bytes)", path=path, size=size)
+    return size
+
+
+def sandbox_file_read(*, sandbox: Sandbox, path: str) -> tuple[FileEntry, Iterator[bytes]]:
+    """Stream a file from inside the sandbox."""
+    path = _check_path(path)
+
+    def call() -> tuple[FileEntry, Iterator[bytes]]:
+        if _is_local(sandbox):
+            entry, chunks = launcher_for(sandbox.runtime).read_file(sandbox.handle, path)
+            return entry, chunks
+        a = _remote(sandbox, "read", {"path": path}, 120)
+        return FileEntry(**a["entry"]), iter([base64.b64decode(a["data"])])
+
+    return _file_call(sandbox, call)  # type: ignore[no-any-return]
+
+
+def sandbox_file_list(*, sandbox: Sandbox, path: str) -> list[FileEntry]:
+    """List a directory inside the sandbox."""
+    path = _check_path(path)
+
+    def call() -> list[FileEntry]:
+        if _is_local(sandbox):
+            return launcher_for(sandbox.runtime).list_files(sandbox.handle, path)
+        return [FileEntry(**e) for e in _remote(sandbox, "list", {"path": path}, 60)["entries"]]
+
+    return _file_call(sandbox, call)  # type: ignore[no-any-return]
+
+
+def sandbox_stats(*, sandbox: Sandbox) -> dict[str, Any] | None:
+    if sandbox.status != S.RUNNING or not _is_local(sandbox):
+        return None
+    try:
+        st = launcher_for(sandbox.runtime).stats(sandbox.handle)
+    except LauncherError:
+        return None
+    return {
+        "cpu_seconds": st.cpu_seconds,
+        "memory_bytes": st.memory_bytes,
+        "memory_limit_bytes": st.memory_limit_bytes,
+    }

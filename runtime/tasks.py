@@ -1,0 +1,69 @@
+"""Celery tasks: ids in, one service call. Node tasks are sent to ``node.<name>`` queues."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from celery import shared_task
+
+from .models import Node
+from .node import local_node_name, node_queue
+from .services import nodes as node_services
+from .services import sandboxes as sandbox_services
+
+log = logging.getLogger(__name__)
+
+
+@shared_task(bind=True, max_retries=3, default_retry_delay=2, acks_late=True)
+def provision(self, sandbox_id: str) -> None:
+    try:
+        sandbox_services.sandbox_provision(sandbox_id=sandbox_id)
+    except Exception as exc:  # a database or broker blip: retry; the service is idempotent
+        if self.request.retries >= self.max_retries:
+            sandbox_services.sandbox_fail(sandbox_id=sandbox_id, reason=f"provisioning failed: {exc}")
+            raise
+        raise self.retry(exc=exc) from exc
+
+
+@shared_task(bind=True, max_retries=5, default_retry_delay=3, acks_late=True)
+def destroy(self, sandbox_id: str) -> None:
+    try:
+        sandbox_services.sandbox_destroy(sandbox_id=sandbox_id)
+    except Exception as exc:
+        raise self.retry(exc=exc) from exc
+
+
+@shared_task(acks_late=False)
+def node_op(op: str, sandbox_id: str, payload: dict[str, Any]) -> dict[str, Any]:
+    return sandbox_services.node_op(op=op, sandbox_id=sandbox_id, payload=payload)
+
+
+@shared_task
+def node_heartbeat() -> None:
+    node_services.node_heartbeat(name=local_node_name())
+
+
+@shared_task
+def node_reconcile() -> dict[str, list[str]]:
+    report = sandbox_services.node_reconcile(node_name=local_node_name())
+    if report["failed"] or report["destroyed"]:
+        log.info("reconciled node %s: %s", local_node_name(), report)
+    return report
+
+
+@shared_task
+def nodes_tick() -> None:
+    """Beat: ask every node's own worker to heartbeat and reconcile; mark silent nodes offline."""
+    node_services.nodes_mark_offline()
+    for name in Node.objects.exclude(status=Node.Status.OFFLINE).values_list("name", flat=True):
+        node_heartbeat.apply_async(queue=node_queue(name), expires=30)
+        node_reconcile.apply_async(queue=node_queue(name), expires=30)
+    # Offline nodes still get a heartbeat request: one that comes back answers it.
+    for name in Node.objects.filter(status=Node.Status.OFFLINE).values_list("name", flat=True):
+        node_heartbeat.apply_async(queue=node_queue(name), expires=30)
+
+
+@shared_task
+def sandboxes_reap() -> int:
+    return sandbox_services.sandboxes_reap_expired()

@@ -1,0 +1,194 @@
+"""Shared fixtures: a real Celery worker and a real daphne server on the test database, the
+local test node with the busybox image, and a team with an API token."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from runtime.launchers.agent.build import agent_binary
+
+from runtime.launchers.images import ImageStore
+
+from .support import free_port, wait_until
+
+ROOT = Path(__file__).resolve().parent.parent
+ARTIFACTS = Path(os.environ.get("HANGAR_TEST_ARTIFACTS", ROOT / "test-artifacts"))
+
+
+@pytest.fixture(scope="session")
+def agent_cache_dir(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("agent-bin")
+    agent_binary(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def image_store(tmp_path_factory) -> ImageStore:
+    return ImageStore(tmp_path_factory.mktemp("images"))
+
+
+# -- the Django side ---------------------------------------------------------------------------
+
+
+def _service_env(db_name: str) -> dict[str, str]:
+    from django.conf import settings
+
+    env = dict(os.environ)
+    env.update(
+        DJANGO_SETTINGS_MODULE="tests.settings",
+        DATABASE_URL=f"postgres://postgres@127.0.0.1:5432/{db_name}",
+        REDIS_URL=settings.REDIS_URL,
+        HANGAR_DATA_DIR=str(settings.DATA_DIR),
+        HANGAR_NODE_NAME=settings.HANGAR_NODE_NAME,
+        PYTHONUNBUFFERED="1",
+    )
+    return env
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(15)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(5)
+
+
+@pytest.fixture(scope="session")
+def service_env(django_db_setup, django_db_blocker) -> dict[str, str]:
+    from django.db import connection
+
+    from runtime.notify import redis_client
+
+    # Stale messages from an earlier run must not reach this run's worker.
+    redis_client().flushdb()
+    return _service_env(connection.settings_dict["NAME"])
+
+
+@pytest.fixture(scope="session")
+def celery_worker(service_env) -> Iterator[subprocess.Popen]:
+    """A real Celery worker process consuming the control queue and the test node's queue."""
+    from django.conf import settings
+
+    log_path = Path(tempfile.mkdtemp()) / "worker.log"
+    log = open(log_path, "wb")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "celery", "-A", "dashboard", "worker", "-Q", f"control,node.{settings.HANGAR_NODE_NAME}",
+         "-n", f"{settings.HANGAR_NODE_NAME}@%h", "--pool", "threads", "--concurrency", "16", "--loglevel", "INFO",
+         "--without-gossip", "--without-mingle", "--without-heartbeat"],
+        cwd=ROOT, env=service_env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+    )  # fmt: skip
+    wait_until(
+        lambda: b"ready." in log_path.read_bytes() or proc.poll() is not None, 60, what="celery worker"
+    )
+    assert proc.poll() is None, log_path.read_text()
+    proc.log_path = log_path  # type: ignore[attr-defined]
+    yield proc
+    _stop(proc)
+    log.close()
+
+
+@pytest.fixture(scope="session")
+def server(service_env) -> Iterator[str]:
+    """The real ASGI app served by daphne, as `hangar up` runs it."""
+    port = free_port()
+    log_path = Path(tempfile.mkdtemp()) / "daphne.log"
+    log = open(log_path, "wb")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "daphne", "-b", "127.0.0.1", "-p", str(port), "dashboard.asgi:application"],
+        cwd=ROOT, env=service_env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+    )  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+
+    def up() -> bool:
+        if proc.poll() is not None:
+            raise AssertionError(log_path.read_text())
+        try:
+            return httpx.get(f"{url}/api/v1/health", timeout=2).status_code in (200, 503)
+        except httpx.HTTPError:
+            return False
+
+    wait_until(up, 60, what="daphne")
+    yield url
+    _stop(proc)
+    log.close()
+
+
+@pytest.fixture
+def local_node(transactional_db):
+    """This machine registered as the test node, holding the busybox image."""
+    from django.conf import settings
+
+    from runtime.node import local_runtimes, node_memory_mb
+    from runtime.services.images import image_build
+    from runtime.services.nodes import node_register
+
+    node = node_register(
+        name=settings.HANGAR_NODE_NAME,
+        runtimes=local_runtimes(),
+        cpu=4,
+        memory_mb=min(node_memory_mb(), 16384),
+    )
+    image_build(kind="busybox")
+    yield node
+    _destroy_all_sandboxes()
+
+
+def _destroy_all_sandboxes() -> None:
+    from runtime.node import launcher_for
+
+    launcher = launcher_for("gvisor")
+    for sandbox_id in launcher.list():
+        launcher.destroy_id(sandbox_id)
+
+
+@pytest.fixture
+def team_token(transactional_db):
+    from django.contrib.auth import get_user_model
+
+    from runtime.models import Membership, Team
+    from runtime.services.auth import token_create
+
+    user = get_user_model().objects.create_user(username="alice", password="pw")
+    team = Team.objects.create(name="alpha")
+    Membership.objects.create(user=user, team=team, role=Membership.Role.OWNER)
+    return token_create(user=user, team=team).raw
+
+
+@pytest.fixture
+def other_team_token(transactional_db):
+    from django.contrib.auth import get_user_model
+
+    from runtime.models import Membership, Team
+    from runtime.services.auth import token_create
+
+    user = get_user_model().objects.create_user(username="mallory", password="pw")
+    team = Team.objects.create(name="beta")
+    Membership.objects.create(user=user, team=team, role=Membership.Role.OWNER)
+    return token_create(user=user, team=team).raw
+
+
+@pytest.fixture
+def api(server, celery_worker, local_node, team_token) -> Iterator[httpx.Client]:
+    """An HTTP client for /api/v1 with the team's token, against the real server and worker."""
+    with httpx.Client(
+        base_url=f"{server}/api/v1", headers={"Authorization": f"Bearer {team_token}"}, timeout=120
+    ) as client:
+        yield client
+
+
+@pytest.fixture
+def other_api(server, other_team_token) -> Iterator[httpx.Client]:
+    with httpx.Client(
+        base_url=f"{server}/api/v1", headers={"Authorization": f"Bearer {other_team_token}"}, timeout=60
+    ) as client:
+        yield client

@@ -1,0 +1,648 @@
+"""The guest agent, run directly on the host (no gVisor) and driven through its Python client.
+
+Run with: .venv/bin/python -m pytest tests/launchers/test_agent.py -p no:django -q
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import signal
+import socket
+import stat
+import struct
+import subprocess
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from runtime.launchers.agent import build
+from runtime.launchers.agent.build import AgentBuildError, agent_binary
+from runtime.launchers.agent_client import (
+    AgentClient,
+    AgentFileError,
+    AgentUnavailable,
+    ExitInfo,
+    decode_fields,
+    encode_fields,
+    encode_frame,
+)
+
+BASE_ENV_VALUE = "from-the-agent-environment"
+
+
+@dataclass
+class RunningAgent:
+    proc: subprocess.Popen[bytes]
+    socket: Path
+    log: Path
+    client: AgentClient
+
+
+def start_agent(binary: Path, run_dir: Path) -> RunningAgent:
+    sock = run_dir / "agent.sock"
+    log = run_dir / "agent.log"
+    env = {
+        "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
+        "HOME": os.environ.get("HOME", "/root"),
+        "HANGAR_TEST_BASE": BASE_ENV_VALUE,
+    }
+    with open(log, "wb") as log_file:
+        proc = subprocess.Popen(
+            [str(binary), "--socket", str(sock)],
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=log_file,
+            stderr=log_file,
+            start_new_session=True,
+        )
+    client = AgentClient(sock)
+    try:
+        client.wait_ready(10.0)
+    except AgentUnavailable:
+        proc.kill()
+        raise
+    return RunningAgent(proc, sock, log, client)
+
+
+def stop_agent(agent: RunningAgent) -> None:
+    if agent.proc.poll() is None:
+        agent.proc.send_signal(signal.SIGTERM)
+        try:
+            agent.proc.wait(5)
+        except subprocess.TimeoutExpired:
+            agent.proc.kill()
+            agent.proc.wait()
+
+
+@pytest.fixture(scope="module")
+def agent_bin(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return agent_binary(tmp_path_factory.mktemp("agent-bin"))
+
+
+@pytest.fixture(scope="module")
+def agent(agent_bin: Path, tmp_path_factory: pytest.TempPathFactory):
+    running = start_agent(agent_bin, tmp_path_factory.mktemp("agent-run"))
+    yield running
+    stop_agent(running)
+
+
+@pytest.fixture
+def client(agent: RunningAgent) -> AgentClient:
+    return agent.client
+
+
+def gone(pid: int, within: float = 3.0) -> bool:
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        # A zombie still answers kill(pid, 0); it is gone for our purposes.
+        try:
+            if Path(f"/proc/{pid}/stat").read_text().split(") ")[-1].startswith("Z"):
+                return True
+        except OSError:
+            return True
+        time.sleep(0.02)
+    return False
+
+
+def raw_request(agent: RunningAgent, frame: bytes) -> tuple[bytes, dict[str, str]]:
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(5)
+        s.connect(str(agent.socket))
+        s.sendall(frame)
+        header = s.recv(5, socket.MSG_WAITALL)
+        kind, length = struct.unpack(">cI", header)
+        payload = s.recv(length, socket.MSG_WAITALL) if length else b""
+        return kind, decode_fields(payload)
+
+
+# -- build ---------------------------------------------------------------------------------
+
+
+def test_build_is_cached_by_source_hash(agent_bin: Path) -> None:
+    assert agent_bin.name == f"hangar-agent-{build.agent_digest()}"
+    before = agent_bin.stat().st_mtime_ns
+    assert agent_binary(agent_bin.parent) == agent_bin
+    assert agent_bin.stat().st_mtime_ns == before
+    assert not [p for p in agent_bin.parent.iterdir() if p.name.endswith(".tmp")]
+
+
+def test_build_without_gcc_explains_how_to_install(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    with pytest.raises(AgentBuildError, match="apt-get install gcc libc6-dev"):
+        agent_binary(tmp_path / "cache")
+
+
+def test_socket_is_private_and_agent_announced_ready(agent: RunningAgent) -> None:
+    assert stat.S_IMODE(agent.socket.stat().st_mode) == 0o600
+    assert b"hangar-agent ready" in agent.log.read_bytes()
+
+
+# -- ping ----------------------------------------------------------------------------------
+
+
+def test_ping_reports_version_and_agent_pid(agent: RunningAgent) -> None:
+    assert agent.client.ping() == {"version": "1", "pid": str(agent.proc.pid)}
+
+
+def test_ping_works_many_times_in_a_row(client: AgentClient) -> None:
+    for _ in range(200):
+        assert client.ping()["version"] == "1"
+
+
+def test_missing_socket_is_unavailable(tmp_path: Path) -> None:
+    with pytest.raises(AgentUnavailable):
+        AgentClient(tmp_path / "nothing.sock").ping()
+    started = time.monotonic()
+    with pytest.raises(AgentUnavailable):
+        AgentClient(tmp_path / "nothing.sock").wait_ready(0.2)
+    assert time.monotonic() - started < 2
+
+
+# -- exec ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("code", [0, 3])
+def test_exit_code_is_reported(client: AgentClient, code: int) -> None:
+    r = client.exec(["sh", "-c", f"exit {code}"])
+    assert (r.exit_code, r.signal, r.timed_out) == (code, 0, False)
+    assert r.pid > 0 and r.duration_ms > 0
+
+
+def test_stdout_and_stderr_are_kept_apart(client: AgentClient) -> None:
+    r = client.exec(["sh", "-c", "echo out; echo err >&2; echo out2"])
+    assert r.stdout == b"out\nout2\n"
+    assert r.stderr == b"err\n"
+
+
+def test_stdin_round_trips_one_megabyte_through_cat(client: AgentClient) -> None:
+    data = os.urandom(1 << 20)
+    r = client.exec(["cat"], stdin=data)
+    assert r.exit_code == 0
+    assert r.stdout == data
+
+
+def test_stdin_larger_than_a_frame_streams_without_deadlock(client: AgentClient) -> None:
+    data = os.urandom(5 * (1 << 20) + 123)
+    r = client.exec(["cat"], stdin=data, timeout=30)
+    assert r.exit_code == 0
+    assert hashlib.sha256(r.stdout).digest() == hashlib.sha256(data).digest()
+
+
+def test_stdin_the_command_never_reads_does_not_hang(client: AgentClient) -> None:
+    r = client.exec(["true"], stdin=os.urandom(5 * (1 << 20)), timeout=10)
+    assert r.exit_code == 0
+
+
+def test_without_stdin_the_command_reads_eof(client: AgentClient) -> None:
+    r = client.exec(["cat"], timeout=5)
+    assert (r.exit_code, r.stdout, r.timed_out) == (0, b"", False)
+
+
+def test_env_overrides_and_agent_env_is_inherited(client: AgentClient) -> None:
+    script = 'printf "%s|%s|%s" "$HANGAR_TEST_BASE" "$EXTRA" "$HOME"'
+    r = client.exec(["sh", "-c", script])
+    assert r.stdout.decode().split("|")[:2] == [BASE_ENV_VALUE, ""]
+    r = client.exec(["sh", "-c", script], env={"HANGAR_TEST_BASE": "overridden", "EXTRA": "a=b c"})
+    assert r.stdout.decode().split("|")[:2] == ["overridden", "a=b c"]
+
+
+def test_command_is_looked_up_in_the_requests_path(client: AgentClient, tmp_path: Path) -> None:
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    (bindir / "hangar-test-cmd").write_text('#!/bin/sh\necho found "$1"\n')
+    (bindir / "hangar-test-cmd").chmod(0o755)
+    (bindir / "no-shebang").write_text("echo plain script\n")
+    (bindir / "no-shebang").chmod(0o755)
+    env = {"PATH": f"{bindir}:/usr/bin:/bin"}
+    assert client.exec(["hangar-test-cmd", "x"], env=env).stdout == b"found x\n"
+    assert client.exec(["no-shebang"], env=env).stdout == b"plain script\n"
+    with pytest.raises(AgentFileError) as exc:
+        client.exec(["hangar-test-cmd"])
+    assert exc.value.errno_name == "ENOENT"
+
+
+def test_cwd_is_applied_and_defaults_to_root(client: AgentClient, tmp_path: Path) -> None:
+    assert client.exec(["pwd"], cwd=str(tmp_path)).stdout.decode().strip() == str(tmp_path)
+    assert client.exec(["pwd"]).stdout == b"/\n"
+
+
+def test_missing_cwd_is_enoent(client: AgentClient, tmp_path: Path) -> None:
+    with pytest.raises(AgentFileError) as exc:
+        client.exec(["true"], cwd=str(tmp_path / "nope"))
+    assert exc.value.errno_name == "ENOENT"
+    assert "chdir" in exc.value.message
+
+
+def test_missing_binary_is_enoent(client: AgentClient) -> None:
+    with pytest.raises(AgentFileError) as exc:
+        client.exec(["hangar-no-such-binary-xyz"])
+    assert exc.value.errno_name == "ENOENT"
+    with pytest.raises(AgentFileError) as exc:
+        client.exec(["/nonexistent/bin/thing"])
+    assert exc.value.errno_name == "ENOENT"
+
+
+def test_non_executable_file_is_eacces(client: AgentClient, tmp_path: Path) -> None:
+    (tmp_path / "data").write_text("x")
+    with pytest.raises(AgentFileError) as exc:
+        client.exec([str(tmp_path / "data")])
+    assert exc.value.errno_name == "EACCES"
+
+
+def test_timeout_kills_the_command(client: AgentClient) -> None:
+    started = time.monotonic()
+    r = client.exec(["sleep", "30"], timeout=0.5)
+    elapsed = time.monotonic() - started
+    assert (r.timed_out, r.exit_code, r.signal) == (True, -1, 9)
+    assert 0.4 < elapsed < 3
+
+
+def test_timeout_kills_the_whole_process_group(client: AgentClient) -> None:
+    r = client.exec(["sh", "-c", "sleep 60 & echo $!; wait"], timeout=0.5)
+    assert r.timed_out
+    assert gone(int(r.stdout))
+
+
+def test_daemonised_grandchild_does_not_hold_the_exec_open(client: AgentClient) -> None:
+    started = time.monotonic()
+    r = client.exec(["sh", "-c", "sleep 60 & echo hi"])
+    assert time.monotonic() - started < 2
+    assert (r.exit_code, r.stdout, r.timed_out) == (0, b"hi\n", False)
+    r = client.exec(["sh", "-c", "sleep 60 & echo $!"])
+    assert gone(int(r.stdout))
+
+
+def test_killed_command_reports_128_plus_signal(client: AgentClient) -> None:
+    r = client.exec(["sh", "-c", "kill -9 $$"])
+    assert (r.exit_code, r.signal, r.timed_out) == (137, 9, False)
+
+
+def test_ten_megabytes_of_output_arrive_intact(client: AgentClient, tmp_path: Path) -> None:
+    started = time.monotonic()
+    r = client.exec(["sh", "-c", "head -c 10485760 /dev/urandom | tee out.bin"], cwd=str(tmp_path))
+    elapsed = time.monotonic() - started
+    assert r.exit_code == 0
+    assert len(r.stdout) == 10 * 1024 * 1024
+    assert hashlib.sha256(r.stdout).digest() == hashlib.sha256((tmp_path / "out.bin").read_bytes()).digest()
+    assert elapsed < 10
+
+
+def test_max_output_keeps_the_start_and_drains_the_rest(client: AgentClient) -> None:
+    seen: list[tuple[str, int]] = []
+    r = client.exec(
+        ["sh", "-c", "head -c 300000 /dev/zero; echo tail >&2"],
+        max_output=1000,
+        on_output=lambda stream, chunk: seen.append((stream, len(chunk))),
+    )
+    assert r.exit_code == 0 and r.truncated
+    assert r.stdout == b"\0" * 1000
+    assert r.stderr == b"tail\n"
+    assert sum(n for s, n in seen if s == "stdout") == 300000
+    assert ("stderr", 5) in seen
+
+
+def test_output_streams_before_the_command_ends(client: AgentClient) -> None:
+    arrivals: list[float] = []
+    started = time.monotonic()
+    r = client.exec(
+        ["sh", "-c", "echo first; sleep 0.5; echo second"],
+        on_output=lambda stream, chunk: arrivals.append(time.monotonic() - started),
+    )
+    assert r.stdout == b"first\nsecond\n"
+    assert len(arrivals) == 2 and arrivals[1] - arrivals[0] > 0.3
+
+
+def test_signal_reaches_a_running_process(client: AgentClient) -> None:
+    with client.open_process(["sleep", "30"], stdin=False) as proc:
+        time.sleep(0.1)
+        proc.signal(signal.SIGTERM)
+        events = list(proc.events())
+    assert events[-1] == ("exit", ExitInfo(code=143, signal=15, timed_out=False))
+
+
+def test_client_disconnect_kills_the_process(client: AgentClient) -> None:
+    proc = client.open_process(["sh", "-c", "sleep 60 & echo $!; sleep 60"], stdin=False)
+    kind, data = next(proc.events())
+    assert kind == "stdout"
+    grandchild = int(data)
+    proc.close()
+    assert gone(proc.pid)
+    assert gone(grandchild)
+
+
+def test_interactive_stdin_and_close(client: AgentClient) -> None:
+    with client.open_process(["sh", "-c", "read a; echo got $a; cat"]) as proc:
+        proc.send_stdin(b"one\n")
+        events = proc.events()
+        assert next(events) == ("stdout", b"got one\n")
+        proc.send_stdin(b"rest")
+        proc.close_stdin()
+        rest = list(events)
+    assert rest == [("stdout", b"rest"), ("exit", ExitInfo(0, 0, False))]
+
+
+def test_tty_exec_runs_on_a_pty(client: AgentClient) -> None:
+    with client.open_process(["sh", "-c", "tty; test -t 0 && test -t 2 && echo all-tty"], tty=True) as proc:
+        events = list(proc.events())
+    output = b"".join(d for k, d in events if k == "stdout").decode()
+    assert {k for k, _ in events} == {"stdout", "exit"}
+    assert re.match(r"/dev/pts/\d+\r\n", output), output
+    assert "all-tty" in output
+    assert events[-1] == ("exit", ExitInfo(0, 0, False))
+
+
+def test_tty_resize_is_seen_by_stty(client: AgentClient) -> None:
+    with client.open_process(
+        ["sh", "-c", "stty size; read x; stty size"], tty=True, rows=24, cols=80
+    ) as proc:
+        events = proc.events()
+        buf = b""
+        while b"24 80" not in buf:
+            kind, data = next(events)
+            assert kind == "stdout"
+            buf += data
+        proc.resize(50, 132)
+        proc.send_stdin(b"go\n")
+        rest = list(events)
+    output = b"".join(d for k, d in rest if k == "stdout")
+    assert b"50 132" in output
+    assert rest[-1] == ("exit", ExitInfo(0, 0, False))
+
+
+def test_many_concurrent_execs_are_all_correct(client: AgentClient) -> None:
+    def run(i: int) -> tuple[int, bytes, bytes, int]:
+        r = client.exec(
+            [
+                "sh",
+                "-c",
+                'echo "$0"; head -c 200000 /dev/zero | wc -c; echo e$0 >&2; exit $(($0 % 5))',
+                str(i),
+            ]
+        )
+        return i, r.stdout, r.stderr, r.exit_code
+
+    with ThreadPoolExecutor(20) as pool:
+        results = list(pool.map(run, range(20)))
+    for i, out, err, code in results:
+        assert out.split() == [str(i).encode(), b"200000"]
+        assert err == f"e{i}\n".encode()
+        assert code == i % 5
+
+
+def test_concurrent_exec_threads_with_stdin(client: AgentClient) -> None:
+    payloads = [os.urandom(300_000 + i) for i in range(8)]
+    results: dict[int, bytes] = {}
+
+    def run(i: int) -> None:
+        results[i] = client.exec(["cat"], stdin=payloads[i]).stdout
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert all(results[i] == payloads[i] for i in range(8))
+
+
+# -- files ---------------------------------------------------------------------------------
+
+
+def test_binary_file_round_trip(client: AgentClient, tmp_path: Path) -> None:
+    data = bytes(range(256)) * (3 * 1024 * 1024 // 256)
+    target = tmp_path / "sub" / "dir" / "blob.bin"
+    assert client.write_file(str(target), data, mode=0o600) == len(data)
+    assert target.read_bytes() == data
+    assert stat.S_IMODE(target.stat().st_mode) == 0o600
+    assert client.read_file(str(target)) == data
+    st, chunks = client.iter_file(str(target), chunk_size=100_000)
+    parts = list(chunks)
+    assert st.type == "file" and st.size == len(data) and st.mode == 0o600
+    assert max(len(p) for p in parts) <= 100_000
+    assert b"".join(parts) == data
+
+
+def test_write_accepts_an_iterable_and_can_append(client: AgentClient, tmp_path: Path) -> None:
+    target = tmp_path / "parts.txt"
+    assert client.write_file(str(target), [b"a" * 10, b"", b"b" * 700_000]) == 700_010
+    assert client.write_file(str(target), b"!", append=True) == 1
+    assert target.read_bytes() == b"a" * 10 + b"b" * 700_000 + b"!"
+    assert client.write_file(str(target), b"") == 0
+    assert target.read_bytes() == b""
+
+
+def test_write_is_atomic_when_the_client_disconnects(agent: RunningAgent, tmp_path: Path) -> None:
+    target = tmp_path / "keep.txt"
+    target.write_bytes(b"original")
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.connect(str(agent.socket))
+        s.sendall(encode_frame("W", encode_fields([("path", str(target))])))
+        s.sendall(encode_frame("D", b"half of the new content"))
+        time.sleep(0.1)
+        assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".hangar-write-")]
+    deadline = time.monotonic() + 3
+    while [p for p in tmp_path.iterdir() if p.name != "keep.txt"] and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["keep.txt"]
+    assert target.read_bytes() == b"original"
+
+
+def test_write_without_mkdirs_needs_the_parent(client: AgentClient, tmp_path: Path) -> None:
+    with pytest.raises(AgentFileError) as exc:
+        client.write_file(str(tmp_path / "missing" / "f"), b"x" * 2_000_000, mkdirs=False)
+    assert exc.value.errno_name == "ENOENT"
+
+
+def test_write_over_a_directory_is_eisdir(client: AgentClient, tmp_path: Path) -> None:
+    with pytest.raises(AgentFileError) as exc:
+        client.write_file(str(tmp_path), b"x")
+    assert exc.value.errno_name == "EISDIR"
+
+
+def test_write_through_a_symlink_keeps_the_link(client: AgentClient, tmp_path: Path) -> None:
+    (tmp_path / "real").write_bytes(b"old")
+    (tmp_path / "link").symlink_to("real")
+    client.write_file(str(tmp_path / "link"), b"new")
+    assert (tmp_path / "link").is_symlink()
+    assert (tmp_path / "real").read_bytes() == b"new"
+
+
+def test_read_errors(client: AgentClient, tmp_path: Path) -> None:
+    with pytest.raises(AgentFileError) as exc:
+        client.read_file(str(tmp_path / "missing"))
+    assert exc.value.errno_name == "ENOENT"
+    with pytest.raises(AgentFileError) as exc:
+        client.read_file(str(tmp_path))
+    assert exc.value.errno_name == "EISDIR"
+
+
+def test_read_with_offset_and_length(agent: RunningAgent, tmp_path: Path) -> None:
+    (tmp_path / "f").write_bytes(b"0123456789")
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(5)
+        s.connect(str(agent.socket))
+        s.sendall(
+            encode_frame("R", encode_fields([("path", str(tmp_path / "f")), ("offset", 3), ("length", 4)]))
+        )
+        data = s.makefile("rb").read()
+    frames = []
+    while data:
+        kind, length = struct.unpack(">cI", data[:5])
+        frames.append((kind, data[5 : 5 + length]))
+        data = data[5 + length :]
+    assert frames[0][0] == b"T" and decode_fields(frames[0][1])["size"] == "10"
+    assert frames[1:] == [(b"D", b"3456"), (b"K", b"")]
+
+
+def test_list_dir_reports_types_without_following_symlinks(client: AgentClient, tmp_path: Path) -> None:
+    (tmp_path / "file.txt").write_bytes(b"12345")
+    (tmp_path / "sub").mkdir(mode=0o750)
+    (tmp_path / "link").symlink_to("sub")
+    os.mkfifo(tmp_path / "fifo")
+    entries = {e.name: e for e in client.list_dir(str(tmp_path))}
+    assert set(entries) == {"file.txt", "sub", "link", "fifo"}
+    assert (entries["file.txt"].type, entries["file.txt"].size) == ("file", 5)
+    assert entries["file.txt"].path == str(tmp_path / "file.txt")
+    assert (entries["sub"].type, entries["sub"].mode) == ("dir", 0o750)
+    assert (entries["link"].type, entries["link"].size) == ("symlink", 3)
+    assert entries["fifo"].type == "other"
+    assert abs(entries["file.txt"].mtime - (tmp_path / "file.txt").stat().st_mtime) < 1e-3
+
+
+def test_list_dir_errors(client: AgentClient, tmp_path: Path) -> None:
+    (tmp_path / "f").write_text("x")
+    with pytest.raises(AgentFileError) as exc:
+        client.list_dir(str(tmp_path / "f"))
+    assert exc.value.errno_name == "ENOTDIR"
+    with pytest.raises(AgentFileError) as exc:
+        client.list_dir(str(tmp_path / "missing"))
+    assert exc.value.errno_name == "ENOENT"
+
+
+def test_list_dir_with_many_entries(client: AgentClient, tmp_path: Path) -> None:
+    for i in range(2000):
+        (tmp_path / f"f{i:04d}-{'x' * 100}").touch()
+    names = [e.name for e in client.list_dir(str(tmp_path))]
+    assert names == sorted(p.name for p in tmp_path.iterdir())
+
+
+def test_stat(client: AgentClient, tmp_path: Path) -> None:
+    f = tmp_path / "f"
+    f.write_bytes(b"abc")
+    f.chmod(0o640)
+    os.utime(f, (1_700_000_000.25, 1_700_000_000.25))
+    st = client.stat(str(f))
+    assert (st.type, st.size, st.mode) == ("file", 3, 0o640)
+    assert st.mtime == pytest.approx(1_700_000_000.25)
+    (tmp_path / "l").symlink_to("f")
+    assert client.stat(str(tmp_path / "l")).type == "symlink"
+    assert client.stat(str(tmp_path)).type == "dir"
+    with pytest.raises(AgentFileError) as exc:
+        client.stat(str(tmp_path / "missing"))
+    assert exc.value.errno_name == "ENOENT"
+
+
+def test_mkdir_and_remove(client: AgentClient, tmp_path: Path) -> None:
+    deep = tmp_path / "a" / "b" / "c"
+    client.mkdir(str(deep), mode=0o700)
+    client.mkdir(str(deep))  # already there: fine
+    assert deep.is_dir() and stat.S_IMODE(deep.stat().st_mode) == 0o700
+    (deep / "file").write_text("x")
+    (tmp_path / "outside").mkdir()
+    (tmp_path / "outside" / "keep").write_text("keep")
+    (tmp_path / "a" / "link-out").symlink_to(tmp_path / "outside")
+
+    with pytest.raises(AgentFileError) as exc:
+        client.remove(str(tmp_path / "a"))
+    assert exc.value.errno_name == "ENOTEMPTY"
+    client.remove(str(tmp_path / "a"), recursive=True)
+    assert not (tmp_path / "a").exists()
+    assert (tmp_path / "outside" / "keep").read_text() == "keep"  # the symlink was not followed
+
+    (tmp_path / "f").write_text("x")
+    client.remove(str(tmp_path / "f"))
+    assert not (tmp_path / "f").exists()
+    with pytest.raises(AgentFileError) as exc:
+        client.remove(str(tmp_path / "f"))
+    assert exc.value.errno_name == "ENOENT"
+
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(AgentFileError) as exc:
+        client.mkdir(str(tmp_path / "file"))
+    assert exc.value.errno_name == "EEXIST"
+
+
+def test_relative_paths_are_einval(client: AgentClient) -> None:
+    calls = [
+        lambda: client.stat("relative/path"),
+        lambda: client.read_file("relative"),
+        lambda: client.write_file("relative", b"x"),
+        lambda: client.list_dir("."),
+        lambda: client.mkdir("a/b"),
+        lambda: client.remove("a"),
+    ]
+    for call in calls:
+        with pytest.raises(AgentFileError) as exc:
+            call()
+        assert exc.value.errno_name == "EINVAL"
+
+
+# -- protocol robustness -------------------------------------------------------------------
+
+
+def test_unknown_request_is_einval(agent: RunningAgent) -> None:
+    assert raw_request(agent, encode_frame("Q", b""))[0] == b"F"
+    kind, fields = raw_request(agent, encode_frame("Q", b""))
+    assert (kind, fields["errno"]) == (b"F", "EINVAL")
+
+
+def test_oversized_frame_is_rejected(agent: RunningAgent) -> None:
+    kind, fields = raw_request(agent, struct.pack(">cI", b"E", 2 * 1024 * 1024))
+    assert (kind, fields["errno"]) == (b"F", "EMSGSIZE")
+
+
+def test_garbage_does_not_hurt_the_agent(agent: RunningAgent) -> None:
+    for junk in [b"", b"\x00", b"E\x00\x00", b"E\x00\x00\x00\x05abc", os.urandom(3000)]:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+            s.connect(str(agent.socket))
+            s.sendall(junk)
+    kind, fields = raw_request(agent, encode_frame("E", b"noequals\0arg\0"))
+    assert (kind, fields["errno"]) == (b"F", "EINVAL")
+    kind, fields = raw_request(agent, encode_frame("E", encode_fields([("arg", "true"), ("env", "NOVALUE")])))
+    assert (kind, fields["errno"]) == (b"F", "EINVAL")
+    assert agent.client.ping()["version"] == "1"
+    assert agent.proc.poll() is None
+
+
+def test_fields_round_trip_with_equals_and_bytes() -> None:
+    payload = encode_fields([("arg", "a=b"), ("arg", b"\xff"), ("n", 5), ("flag", True)])
+    assert payload == b"arg=a=b\0arg=\xff\0n=5\0flag=1\0"
+    assert decode_fields(b"k=v=w\0x=\0") == {"k": "v=w", "x": ""}
+    with pytest.raises(ValueError):
+        encode_fields([("arg", "nul\0inside")])
+
+
+# -- lifecycle -----------------------------------------------------------------------------
+
+
+def test_sigterm_stops_the_agent_and_its_commands(agent_bin: Path, tmp_path: Path) -> None:
+    own = start_agent(agent_bin, tmp_path)
+    try:
+        proc = own.client.open_process(["sleep", "60"], stdin=False)
+        time.sleep(0.1)
+        own.proc.send_signal(signal.SIGTERM)
+        assert own.proc.wait(5) == 0
+        assert gone(proc.pid)
+        assert not own.socket.exists()
+        proc.close()
+    finally:
+        stop_agent(own)

@@ -1,0 +1,333 @@
+"""The launcher conformance suite: every runtime passes these, unchanged.
+
+Parametrised over ``LAUNCHERS``; a new runtime adds a factory there and nothing else. The
+tests use real runtimes (runsc here), never fakes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import subprocess
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from runtime.launchers.base import (
+    ExecRequest,
+    FileOpError,
+    Launcher,
+    SandboxNotRunning,
+    SandboxSpec,
+)
+from runtime.launchers.gvisor import GVisorLauncher
+from runtime.launchers.images import ImageStore
+from tests.support import requires_runsc
+
+
+def _gvisor(state_dir: Path, agent_cache: Path) -> Launcher:
+    return GVisorLauncher(state_dir=state_dir, agent_cache_dir=agent_cache)
+
+
+LAUNCHERS: dict[str, Callable[[Path, Path], Launcher]] = {"gvisor": _gvisor}
+
+pytestmark = [requires_runsc]
+
+
+@pytest.fixture(scope="module", params=sorted(LAUNCHERS))
+def launcher(request, tmp_path_factory, agent_cache_dir) -> Iterator[Launcher]:
+    state = tmp_path_factory.mktemp(f"launcher-{request.param}")
+    launcher = LAUNCHERS[request.param](state, agent_cache_dir)
+    yield launcher
+    for sandbox_id in launcher.list():
+        launcher.destroy_id(sandbox_id)
+
+
+@pytest.fixture(scope="module")
+def busybox(image_store: ImageStore):
+    return image_store.build_busybox()
+
+
+@pytest.fixture
+def make_sandbox(launcher: Launcher, busybox) -> Iterator[Callable[..., dict]]:
+    created: list[dict] = []
+
+    def make(**overrides) -> dict:
+        spec = SandboxSpec(
+            id="t" + uuid.uuid4().hex[:12],
+            rootfs=busybox.rootfs,
+            cpu=overrides.pop("cpu", 1.0),
+            memory_mb=overrides.pop("memory_mb", 256),
+            env=overrides.pop("env", {"GREETING": "hello"}),
+            hostname=overrides.pop("hostname", "box"),
+        )
+        handle = launcher.create(spec)
+        created.append(handle)
+        return handle
+
+    yield make
+    for handle in created:
+        launcher.destroy(handle)
+
+
+@pytest.fixture
+def sandbox(make_sandbox) -> dict:
+    return make_sandbox()
+
+
+def run(launcher: Launcher, handle: dict, argv, **kw):
+    if isinstance(argv, str):
+        argv = ["/bin/sh", "-c", argv]
+    return launcher.exec(handle, ExecRequest(argv=argv, **kw))
+
+
+# -- exec -------------------------------------------------------------------------------------
+
+
+def test_exit_codes_are_reported(launcher, sandbox):
+    assert run(launcher, sandbox, ["true"]).exit_code == 0
+    assert run(launcher, sandbox, "exit 3").exit_code == 3
+    killed = run(launcher, sandbox, "kill -TERM $$")
+    assert killed.exit_code == 143 and killed.signal == 15
+
+
+def test_stdout_and_stderr_are_separate(launcher, sandbox):
+    r = run(launcher, sandbox, "echo out; echo err >&2; echo out2")
+    assert r.stdout == b"out\nout2\n"
+    assert r.stderr == b"err\n"
+
+
+def test_stdin_is_passed_to_the_command(launcher, sandbox):
+    data = os.urandom(300_000)
+    r = run(launcher, sandbox, ["cat"], stdin=data)
+    assert r.exit_code == 0 and r.stdout == data
+
+
+def test_env_from_spec_and_request(launcher, sandbox):
+    r = run(launcher, sandbox, "echo $GREETING $EXTRA", env={"EXTRA": "world"})
+    assert r.stdout == b"hello world\n"
+    assert run(launcher, sandbox, "echo $GREETING", env={"GREETING": "over"}).stdout == b"over\n"
+
+
+def test_cwd(launcher, sandbox):
+    assert run(launcher, sandbox, ["pwd"], cwd="/tmp").stdout == b"/tmp\n"
+
+
+def test_missing_command_is_a_clear_error(launcher, sandbox):
+    with pytest.raises(FileOpError) as info:
+        run(launcher, sandbox, ["/no/such/binary"])
+    assert info.value.errno_name == "ENOENT"
+
+
+def test_timeout_kills_the_command(launcher, sandbox):
+    start = time.monotonic()
+    r = run(launcher, sandbox, "echo started; sleep 30", timeout=1.0)
+    assert r.timed_out is True
+    assert r.stdout == b"started\n"
+    assert time.monotonic() - start < 10
+    # The process is really gone: nothing named sleep is left.
+    assert b"sleep 30" not in run(launcher, sandbox, ["ps"]).stdout
+
+
+def test_large_output_arrives_intact(launcher, sandbox):
+    size = 10 * 1024 * 1024
+    r = run(
+        launcher, sandbox, f"head -c {size} /dev/urandom > /tmp/big; cat /tmp/big; sha256sum /tmp/big >&2"
+    )
+    assert r.exit_code == 0
+    assert len(r.stdout) == size
+    assert hashlib.sha256(r.stdout).hexdigest() == r.stderr.split()[0].decode()
+
+
+def test_output_streams_to_the_callback(launcher, sandbox):
+    seen: list[tuple[str, bytes]] = []
+    r = launcher.exec(
+        sandbox,
+        ExecRequest(argv=["/bin/sh", "-c", "echo a; echo b >&2"]),
+        on_output=lambda s, b: seen.append((s, b)),
+    )
+    assert r.exit_code == 0
+    assert b"".join(b for s, b in seen if s == "stdout") == b"a\n"
+    assert b"".join(b for s, b in seen if s == "stderr") == b"b\n"
+
+
+def test_concurrent_execs(launcher, sandbox):
+    results: dict[int, bytes] = {}
+
+    def one(i: int) -> None:
+        results[i] = run(launcher, sandbox, f"echo {i}").stdout
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(16)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert results == {i: f"{i}\n".encode() for i in range(16)}
+
+
+# -- files ------------------------------------------------------------------------------------
+
+
+def test_binary_file_round_trip(launcher, sandbox):
+    data = bytes(range(256)) * 8192 + os.urandom(1000)
+    assert launcher.write_file(sandbox, "/tmp/sub/dir/blob.bin", data) == len(data)
+    entry, chunks = launcher.read_file(sandbox, "/tmp/sub/dir/blob.bin")
+    assert entry.size == len(data)
+    assert b"".join(chunks) == data
+    assert run(launcher, sandbox, "wc -c < /tmp/sub/dir/blob.bin").stdout.strip() == str(len(data)).encode()
+
+
+def test_list_files(launcher, sandbox):
+    run(launcher, sandbox, "mkdir -p /tmp/l/d && echo hi > /tmp/l/f && ln -s /etc /tmp/l/s")
+    entries = {e.name: e for e in launcher.list_files(sandbox, "/tmp/l")}
+    assert {k: v.type for k, v in entries.items()} == {"d": "dir", "f": "file", "s": "symlink"}
+    assert entries["f"].size == 3 and entries["f"].path == "/tmp/l/f"
+
+
+def test_reading_a_missing_file_is_enoent(launcher, sandbox):
+    with pytest.raises(FileOpError) as info:
+        launcher.read_file(sandbox, "/nope")
+    assert info.value.errno_name == "ENOENT"
+
+
+# -- isolation --------------------------------------------------------------------------------
+
+
+def test_kernel_is_gvisors_not_the_hosts(launcher, sandbox):
+    inside = run(launcher, sandbox, ["uname", "-r"]).stdout.decode().strip()
+    assert inside and inside != os.uname().release
+
+
+def test_host_files_are_not_visible(launcher, sandbox, tmp_path):
+    marker = tmp_path / f"host-marker-{uuid.uuid4().hex}"
+    marker.write_text("host secret")
+    r = run(launcher, sandbox, f"cat {marker}; ls {tmp_path}")
+    assert b"host secret" not in r.stdout
+    assert r.exit_code != 0
+
+
+def test_host_processes_are_not_visible(launcher, sandbox):
+    sleeper = subprocess.Popen(["sleep", "3600"], start_new_session=True)
+    try:
+        ps = run(launcher, sandbox, ["ps", "-o", "pid,args"]).stdout.decode()
+        assert "sleep 3600" not in ps
+        assert len(ps.strip().splitlines()) < 10  # the agent, the shell, ps: not the host's hundreds
+    finally:
+        sleeper.kill()
+
+
+def test_sandboxes_cannot_see_each_others_files(launcher, make_sandbox):
+    a, b = make_sandbox(), make_sandbox()
+    launcher.write_file(a, "/root/only-in-a", b"a's data")
+    assert run(launcher, a, "cat /root/only-in-a").stdout == b"a's data"
+    r = run(launcher, b, "cat /root/only-in-a; find / -name only-in-a 2>/dev/null")
+    assert b"a's data" not in r.stdout and b"only-in-a" not in r.stdout
+
+
+def test_file_api_dotdot_and_symlinks_never_reach_the_host(launcher, sandbox, tmp_path):
+    marker = tmp_path / "host-only.txt"
+    marker.write_text("HOST CONTENT")
+    # A symlink inside the sandbox pointing at a host path that exists on the host.
+    run(launcher, sandbox, f"ln -s {marker} /tmp/escape; ln -s {tmp_path} /tmp/escape-dir")
+    for path in ("/tmp/escape", f"/../../../..{marker}", f"/tmp/escape-dir/{marker.name}"):
+        try:
+            _, chunks = launcher.read_file(sandbox, path)
+            assert b"HOST CONTENT" not in b"".join(chunks)
+        except FileOpError as exc:
+            assert exc.errno_name in ("ENOENT", "ELOOP", "EACCES")
+    # Writing through the symlink lands inside the sandbox, never on the host file.
+    try:
+        launcher.write_file(sandbox, "/tmp/escape-dir/host-only.txt", b"overwritten")
+    except FileOpError:
+        pass
+    assert marker.read_text() == "HOST CONTENT"
+
+
+def test_image_is_never_written_by_a_sandbox(launcher, sandbox, busybox):
+    before = sorted(p.name for p in (busybox.rootfs / "etc").iterdir())
+    run(launcher, sandbox, "echo x > /etc/written-by-sandbox; rm -f /etc/hostname")
+    assert sorted(p.name for p in (busybox.rootfs / "etc").iterdir()) == before
+
+
+def test_memory_limit_kills_the_sandbox_and_says_why(launcher, make_sandbox):
+    handle = make_sandbox(memory_mb=160)
+    with pytest.raises(SandboxNotRunning) as info:
+        # tail -c keeps the last N bytes in memory: 600 MB against a 160 MB limit.
+        run(launcher, handle, "head -c 700000000 /dev/zero | tail -c 600000000 | wc -c", timeout=60)
+    assert "out of memory" in info.value.reason
+    st = launcher.state(handle)
+    assert st.status == "stopped" and "out of memory" in (st.reason or "")
+
+
+# -- lifecycle --------------------------------------------------------------------------------
+
+
+def test_create_is_idempotent(launcher, busybox, make_sandbox):
+    handle = make_sandbox()
+    spec = SandboxSpec(id=handle["id"], rootfs=busybox.rootfs, memory_mb=256)
+    again = launcher.create(spec)
+    assert again["id"] == handle["id"]
+    assert run(launcher, again, ["true"]).exit_code == 0
+
+
+def test_stop_then_destroy_leave_nothing_behind(launcher, busybox):
+    spec = SandboxSpec(id="t" + uuid.uuid4().hex[:12], rootfs=busybox.rootfs, memory_mb=256)
+    handle = launcher.create(spec)
+    assert spec.id in launcher.list()
+    assert launcher.state(handle).status == "running"
+    launcher.stop(handle, timeout=5)
+    assert launcher.state(handle).status in ("stopped", "missing")
+    launcher.destroy(handle)
+    launcher.destroy(handle)  # twice is harmless
+    assert spec.id not in launcher.list()
+    assert launcher.state(handle).status == "missing"
+    assert_nothing_left(launcher, spec.id)
+
+
+def assert_nothing_left(launcher: Launcher, sandbox_id: str) -> None:
+    with open("/proc/self/mountinfo") as f:
+        assert sandbox_id not in f.read()
+    for root in Path("/sys/fs/cgroup").iterdir():
+        assert not (root / "hangar" / sandbox_id).exists()
+    if isinstance(launcher, GVisorLauncher):
+        assert not (launcher.sandboxes_dir / sandbox_id).exists()
+        listed = subprocess.run(
+            [launcher.runsc, "--root", str(launcher.root), "list", "--quiet"], capture_output=True, text=True
+        ).stdout
+        assert sandbox_id not in listed
+
+
+def test_destroy_by_id_cleans_up_an_orphan(launcher, busybox):
+    spec = SandboxSpec(id="t" + uuid.uuid4().hex[:12], rootfs=busybox.rootfs, memory_mb=256)
+    launcher.create(spec)
+    launcher.destroy_id(spec.id)  # reconciliation path: no handle, only the id
+    assert_nothing_left(launcher, spec.id)
+
+
+def test_sandboxes_survive_the_process_that_started_them(launcher, busybox, agent_cache_dir):
+    """Sandboxes are detached: a fresh launcher instance (a restarted node) re-adopts them."""
+    spec = SandboxSpec(id="t" + uuid.uuid4().hex[:12], rootfs=busybox.rootfs, memory_mb=256)
+    handle = launcher.create(spec)
+    try:
+        fresh = type(launcher)(state_dir=launcher.state_dir, agent_cache_dir=agent_cache_dir)  # type: ignore[call-arg]
+        assert spec.id in fresh.list()
+        assert run(fresh, handle, "echo still here").stdout == b"still here\n"
+    finally:
+        launcher.destroy(handle)
+
+
+def test_stats_report_memory_and_cpu(launcher, sandbox):
+    run(launcher, sandbox, "i=0; while [ $i -lt 20000 ]; do i=$((i+1)); done")
+    stats = launcher.stats(sandbox)
+    assert stats.memory_bytes > 0
+    assert stats.cpu_seconds > 0
+    assert stats.memory_limit_bytes == 256 * 1024 * 1024
+
+
+def test_runsc_is_present():
+    assert shutil.which("runsc"), "runsc must be installed by .ci/run"

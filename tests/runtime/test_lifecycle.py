@@ -1,0 +1,182 @@
+"""Lifecycle, scheduling, reconciliation and node routing, through the services with real
+runsc and a real Celery worker."""
+
+from __future__ import annotations
+
+import subprocess
+import time
+from datetime import timedelta
+
+import pytest
+from django.utils import timezone
+
+from runtime import lifecycle
+from runtime.errors import Conflict, NoCapacity
+from runtime.models import Image, Node, Sandbox, Team
+from runtime.node import launcher_for
+from runtime.services import sandboxes as svc
+from runtime.services.nodes import node_pick, node_register, nodes_mark_offline
+from tests.support import requires_runsc, wait_until
+
+S = Sandbox.Status
+
+
+@pytest.fixture
+def team(transactional_db):
+    return Team.objects.create(name="t")
+
+
+def _create(team, **kw):
+    sandbox = svc.sandbox_create(
+        team=team, user=None, image="busybox", memory_mb=kw.pop("memory_mb", 256), **kw
+    )
+    return svc.sandbox_wait(sandbox=sandbox, timeout=60)
+
+
+# -- state machine ----------------------------------------------------------------------------
+
+
+def test_transitions_are_conditional(transactional_db, team):
+    sb = Sandbox.objects.create(team=team, image="x", image_digest="sha256:x")
+    assert lifecycle.transition(sb.id, to=S.STARTING, frm=[S.PENDING]) is True
+    # A duplicated task finds the row already moved and changes nothing.
+    assert lifecycle.transition(sb.id, to=S.STARTING, frm=[S.PENDING]) is False
+    assert Sandbox.objects.get(id=sb.id).status == S.STARTING
+    assert sb.events.filter(kind="status").count() == 1
+
+
+def test_illegal_transitions_are_refused(transactional_db, team):
+    sb = Sandbox.objects.create(team=team, image="x", image_digest="sha256:x")
+    with pytest.raises(ValueError):
+        lifecycle.transition(sb.id, to=S.RUNNING, frm=[S.DELETED])
+    assert lifecycle.transition(sb.id, to=S.RUNNING) is False  # pending cannot jump to running
+
+
+# -- scheduler --------------------------------------------------------------------------------
+
+
+def _image(*nodes: Node) -> Image:
+    image = Image.objects.create(name="img", digest="sha256:abc")
+    image.nodes.add(*nodes)
+    return image
+
+
+def test_scheduler_picks_the_node_with_most_room(transactional_db, team):
+    small = node_register(name="small", runtimes=["gvisor"], cpu=2, memory_mb=1024)
+    big = node_register(name="big", runtimes=["gvisor"], cpu=2, memory_mb=8192)
+    image = _image(small, big)
+    assert node_pick(runtime="gvisor", cpu=1, memory_mb=512, image=image) == big
+    Sandbox.objects.create(
+        team=team, image="img", image_digest="sha256:abc", node=big, memory_mb=7800, status=S.RUNNING
+    )
+    assert node_pick(runtime="gvisor", cpu=1, memory_mb=512, image=image) == small
+
+
+def test_scheduler_refuses_when_no_node_has_room(transactional_db, team):
+    node = node_register(name="n1", runtimes=["gvisor"], cpu=1, memory_mb=1024)
+    image = _image(node)
+    Sandbox.objects.create(
+        team=team, image="img", image_digest="sha256:abc", node=node, memory_mb=1000, status=S.RUNNING
+    )
+    with pytest.raises(NoCapacity, match="room"):
+        node_pick(runtime="gvisor", cpu=1, memory_mb=512, image=image)
+    with pytest.raises(NoCapacity, match="runtime 'microvm'"):
+        node_pick(runtime="microvm", cpu=1, memory_mb=512, image=image)
+
+
+def test_scheduler_skips_nodes_without_the_image_or_heartbeat(transactional_db):
+    holder = node_register(name="holder", runtimes=["gvisor"], cpu=4, memory_mb=4096)
+    node_register(name="other", runtimes=["gvisor"], cpu=4, memory_mb=65536)
+    image = _image(holder)
+    assert node_pick(runtime="gvisor", cpu=1, memory_mb=256, image=image) == holder
+    Node.objects.filter(name="holder").update(heartbeat_at=timezone.now() - timedelta(minutes=10))
+    assert nodes_mark_offline() == ["holder"]
+    with pytest.raises(NoCapacity, match="not on any online node"):
+        node_pick(runtime="gvisor", cpu=1, memory_mb=256, image=image)
+
+
+# -- provisioning, expiry, reconciliation -----------------------------------------------------
+
+
+@requires_runsc
+def test_duplicate_provision_tasks_are_harmless(celery_worker, local_node, team):
+    sb = _create(team)
+    assert sb.status == S.RUNNING
+    svc.sandbox_provision(sandbox_id=sb.id)  # a redelivered task
+    sb.refresh_from_db()
+    assert sb.status == S.RUNNING
+    assert launcher_for("gvisor").list().count(sb.id) == 1
+
+
+@requires_runsc
+def test_expired_sandboxes_are_stopped_and_destroyed(celery_worker, local_node, team):
+    sb = _create(team, timeout_s=1)
+    assert sb.status == S.RUNNING
+    time.sleep(1.2)
+    assert svc.sandboxes_reap_expired() == 1
+    wait_until(lambda: Sandbox.objects.get(id=sb.id).status == S.DELETED, 30, what="deleted")
+    assert sb.id not in launcher_for("gvisor").list()
+    assert sb.events.filter(message__startswith="expired").exists()
+
+
+@requires_runsc
+def test_reconcile_removes_runtime_sandboxes_no_row_owns(celery_worker, local_node, team):
+    sb = _create(team)
+    Sandbox.objects.filter(id=sb.id).delete()  # the database forgot it
+    report = svc.node_reconcile(node_name=local_node.name)
+    assert sb.id in report["destroyed"]
+    assert sb.id not in launcher_for("gvisor").list()
+
+
+@requires_runsc
+def test_reconcile_fails_rows_whose_sandbox_is_gone(celery_worker, local_node, team):
+    sb = _create(team)
+    launcher = launcher_for("gvisor")
+    subprocess.run([launcher.runsc, "--root", str(launcher.root), "kill", "--all", sb.id, "KILL"], check=True)
+    report = svc.node_reconcile(node_name=local_node.name)
+    assert report["failed"] == [sb.id]
+    sb.refresh_from_db()
+    assert sb.status == S.FAILED and sb.status_reason
+    assert sb.id not in launcher.list()
+
+
+@requires_runsc
+def test_running_sandboxes_survive_reconciliation(celery_worker, local_node, team):
+    sb = _create(team)
+    assert svc.node_reconcile(node_name=local_node.name) == {"failed": [], "destroyed": []}
+    sb.refresh_from_db()
+    assert sb.status == S.RUNNING
+
+
+@requires_runsc
+def test_exec_on_another_node_goes_through_its_queue(celery_worker, local_node, team, settings):
+    sb = _create(team)
+    # This process now plays a control plane on a different machine: every node operation must
+    # travel through the node's Celery queue to the worker.
+    settings.HANGAR_NODE_NAME = "control-plane-elsewhere"
+    sb.refresh_from_db()
+    assert not svc._is_local(sb)
+    out = svc.sandbox_exec(sandbox=sb, cmd="echo remote; echo e >&2; exit 2", stdin=None)
+    assert (out.result.exit_code, out.result.stdout, out.result.stderr) == (2, b"remote\n", b"e\n")
+    assert svc.sandbox_file_write(sandbox=sb, path="/tmp/r.bin", data=b"\x00\xffdata") == 6
+    entry, chunks = svc.sandbox_file_read(sandbox=sb, path="/tmp/r.bin")
+    assert b"".join(chunks) == b"\x00\xffdata" and entry.size == 6
+    assert [e.name for e in svc.sandbox_file_list(sandbox=sb, path="/tmp")] == ["r.bin"]
+
+
+@requires_runsc
+def test_exec_on_a_pending_sandbox_is_a_conflict(transactional_db, local_node, team):
+    sb = Sandbox.objects.create(team=team, image="busybox", image_digest="sha256:x", node=local_node)
+    with pytest.raises(Conflict, match="pending"):
+        svc.sandbox_exec(sandbox=sb, cmd="true")
+
+
+@requires_runsc
+def test_exec_history_is_recorded_and_truncated(celery_worker, local_node, team, settings):
+    settings.HANGAR_EXEC_KEEP_OUTPUT_BYTES = 100
+    sb = _create(team)
+    out = svc.sandbox_exec(sandbox=sb, cmd="head -c 5000 /dev/zero | tr '\\0' a")
+    row = out.exec
+    assert row.exit_code == 0 and row.stdout_bytes == 5000 and len(row.stdout) == 100
+    assert row.finished_at is not None and row.duration_ms > 0
+    assert len(out.result.stdout) == 5000

@@ -1,0 +1,11 @@
+"""Test settings: real Postgres and Redis on 127.0.0.1, a private data dir."""
+
+import os
+import tempfile
+
+os.environ.setdefault("DATABASE_URL", "postgres://postgres@127.0.0.1:5432/hangar")
+os.environ.setdefault("REDIS_URL", "redis://127.0.0.1:6379/7")
+os.environ.setdefault("HANGAR_DATA_DIR", os.path.join(tempfile.gettempdir(), "hangar-test-data"))
+os.environ.setdefault("HANGAR_NODE_NAME", "test-node")
+
+from dashboard.settings import *  # noqa: E402,F403

@@ -1,0 +1,35 @@
+"""Helpers shared by tests (markers, process helpers)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import time
+from collections.abc import Callable
+
+import pytest
+
+requires_runsc = pytest.mark.skipif(
+    os.geteuid() != 0 or shutil.which("runsc") is None,
+    reason="needs root and runsc (gVisor); .ci/run installs runsc and runs as root",
+)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_until(
+    check: Callable[[], object], timeout: float = 30.0, interval: float = 0.05, what: str = "condition"
+):
+    deadline = time.monotonic() + timeout
+    while True:
+        value = check()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(interval)

@@ -1,0 +1,147 @@
+"""`hangar up` on the embedded default (SQLite + an embedded Redis), as a user runs it."""
+
+from __future__ import annotations
+
+import os
+import select
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.support import free_port, requires_runsc, wait_until
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _clean_env(data_dir: Path, **extra: str) -> dict[str, str]:
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("DATABASE_URL", "REDIS_URL", "DJANGO_SETTINGS_MODULE")
+    }
+    env.update(HANGAR_DATA_DIR=str(data_dir), HANGAR_NODE_NAME="uptest", PYTHONUNBUFFERED="1", **extra)
+    return env
+
+
+class Up:
+    def __init__(self, data_dir: Path, **extra: str) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.output: list[str] = []
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "dashboard.cli", "up", "--port", str(self.port), "--concurrency", "4"],
+            cwd=ROOT, env=_clean_env(data_dir, **extra), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            text=True, bufsize=1,
+        )  # fmt: skip
+        self.read_until("Press Ctrl-C", 120)
+        wait_until(self._healthy, 60, what="hangar up to answer")
+
+    def read_until(self, needle: str, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        assert self.proc.stdout is not None
+        while time.monotonic() < deadline:
+            ready, _, _ = select.select([self.proc.stdout], [], [], 0.5)
+            if ready:
+                line = self.proc.stdout.readline()
+                if not line and self.proc.poll() is not None:
+                    break
+                self.output.append(line)
+                if needle in line:
+                    return
+        raise AssertionError(f"{needle!r} not seen; output:\n{''.join(self.output)}")
+
+    def _healthy(self) -> bool:
+        try:
+            r = httpx.get(f"{self.url}/api/v1/health", timeout=2)
+            return r.status_code == 200 and any(n["name"] == "uptest" for n in r.json()["nodes"])
+        except httpx.HTTPError:
+            return False
+
+    def stop(self) -> int:
+        self.proc.send_signal(signal.SIGINT)
+        return self.proc.wait(60)
+
+
+def _hangar_processes(data_dir: Path) -> list[str]:
+    """Processes started by that Hangar (they carry its data dir in their environment), except
+    the sandboxes, which are meant to outlive it."""
+    marker = f"HANGAR_DATA_DIR={data_dir}".encode()
+    found = []
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit() or int(pid) == os.getpid():
+            continue
+        try:
+            environ = Path(f"/proc/{pid}/environ").read_bytes()
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if (marker in environ.split(b"\0") or str(data_dir) in cmdline) and "runsc" not in cmdline:
+            found.append(f"{pid}: {cmdline}")
+    return found
+
+
+@requires_runsc
+def test_hangar_up_runs_stops_cleanly_and_sandboxes_survive_a_restart(tmp_path):
+    data_dir = tmp_path / "data"
+    up = Up(data_dir, HANGAR_NODE_TICK_S="1")
+    text = "".join(up.output)
+    assert "admin: admin / " in text
+    token = next(line.split(": ", 1)[1].strip() for line in up.output if "API token" in line)
+    api = httpx.Client(base_url=f"{up.url}/api/v1", headers={"Authorization": f"Bearer {token}"}, timeout=60)
+    sb = api.post("/sandboxes", json={"image": "busybox", "memory_mb": 256, "timeout_s": 600}).json()
+    assert sb["status"] == "running", sb
+    sid = sb["id"]
+    assert (
+        api.post(f"/sandboxes/{sid}/exec", json={"cmd": "echo first > /tmp/f; cat /tmp/f"}).json()["stdout"]
+        == "first\n"
+    )
+    assert (data_dir / "hangar.sqlite3").exists()
+
+    assert up.stop() == 0
+    wait_until(lambda: not _hangar_processes(data_dir), 20, what="every hangar process to exit")
+    runsc_root = data_dir / "runtime" / "gvisor" / "runsc-root"
+    listed = subprocess.run(
+        ["runsc", "--root", str(runsc_root), "list"], capture_output=True, text=True
+    ).stdout
+    assert sid in listed, "the sandbox must outlive Hangar's processes"
+
+    # `hangar token create` prints the token alone on its last line.
+    out = subprocess.run(
+        [sys.executable, "-m", "dashboard.cli", "token", "create", "--user", "admin"],
+        cwd=ROOT, env=_clean_env(data_dir), capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    token2 = out.stdout.strip().splitlines()[-1]
+    assert token2.startswith("hgr_") and token2 != token
+
+    up = Up(data_dir, HANGAR_NODE_TICK_S="1")
+    assert "API token" not in "".join(up.output)  # only the first start prints one
+    api = httpx.Client(base_url=f"{up.url}/api/v1", headers={"Authorization": f"Bearer {token2}"}, timeout=60)
+    time.sleep(3)  # several reconciliation ticks
+    assert api.get(f"/sandboxes/{sid}").json()["status"] == "running"
+    assert api.post(f"/sandboxes/{sid}/exec", json={"cmd": "cat /tmp/f"}).json()["stdout"] == "first\n"
+    assert api.delete(f"/sandboxes/{sid}").status_code == 204
+    wait_until(lambda: api.get(f"/sandboxes/{sid}").json()["status"] == "deleted", 30, what="deleted")
+    assert up.stop() == 0
+    wait_until(lambda: not _hangar_processes(data_dir), 20, what="every hangar process to exit")
+
+
+def test_token_create_for_unknown_user_fails_clearly(tmp_path):
+    out = subprocess.run(
+        [sys.executable, "-m", "dashboard.cli", "token", "create", "--user", "ghost"],
+        cwd=ROOT, env=_clean_env(tmp_path), capture_output=True, text=True,
+    )  # fmt: skip
+    assert out.returncode == 2
+    assert "no user named 'ghost'" in out.stderr and "Traceback" not in out.stderr
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["image", "--help"], ["token", "create", "--help"]])
+def test_cli_help(argv):
+    out = subprocess.run(
+        [sys.executable, "-m", "dashboard.cli", *argv], cwd=ROOT, capture_output=True, text=True
+    )
+    assert out.returncode == 0 and "usage: hangar" in out.stdout
