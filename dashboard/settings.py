@@ -160,8 +160,17 @@ CHANNEL_LAYERS = {
     "default": {"BACKEND": "channels_redis.core.RedisChannelLayer", "CONFIG": {"hosts": [REDIS_URL]}}
 }
 
-CELERY_BROKER_URL = env_str("CELERY_BROKER_URL", REDIS_URL)
-CELERY_RESULT_BACKEND = env_str("CELERY_RESULT_BACKEND", REDIS_URL)
+
+
+def celery_redis_url(url: str) -> str:
+    # redis-py spells a unix socket unix:///path; kombu and Celery's backend spell it redis+socket://.
+    if url.startswith("unix://"):
+        return "redis+socket://" + urlparse(url).path
+    return url
+
+
+CELERY_BROKER_URL = env_str("CELERY_BROKER_URL", celery_redis_url(REDIS_URL))
+CELERY_RESULT_BACKEND = env_str("CELERY_RESULT_BACKEND", celery_redis_url(REDIS_URL))
 CELERY_TASK_DEFAULT_QUEUE = "control"
 CELERY_TASK_ACKS_LATE = True
 CELERY_TASK_REJECT_ON_WORKER_LOST = True

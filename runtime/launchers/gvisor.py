@@ -216,9 +216,8 @@ class GVisorLauncher(Launcher):
                 "memory_mb": spec.memory_mb,
                 "cpu": spec.cpu,
             }
-            if self._runtime_status(spec.id) == "running":
+            if (d / "handle.json").exists() and self._agent_answers(handle):
                 # A duplicated or retried task: the sandbox is already up.
-                self._client(handle).wait_ready(10.0)
                 return handle
             for sub in ("upper", "work", "rootfs", "run", "bundle"):
                 (d / sub).mkdir(parents=True, exist_ok=True)
@@ -228,8 +227,9 @@ class GVisorLauncher(Launcher):
                 _run(["mount", "-t", "overlay", "overlay", "-o", opts, str(d / "rootfs")])
             (d / "bundle" / "config.json").write_text(json.dumps(self._oci_spec(spec, d)))
             (d / "handle.json").write_text(json.dumps(handle))
-            # A leftover container from a crashed earlier attempt would make `run` fail.
-            _run(self._runsc("delete", "--force", spec.id), check=False)
+            if self._has_runtime_state(spec.id):
+                # A leftover container from a crashed earlier attempt would make `run` fail.
+                _run(self._runsc("delete", "--force", spec.id), check=False)
             # The sandbox inherits runsc's stdio and keeps it open for its whole life: give it a
             # log file, never a pipe we would wait on.
             log_path = d / "console.log"
@@ -280,8 +280,8 @@ class GVisorLauncher(Launcher):
 
     def _destroy_locked(self, sandbox_id: str) -> None:
         d = self._dir(sandbox_id)
-        if self._runtime_status(sandbox_id) != "missing":
-            _run(self._runsc("kill", "--all", sandbox_id, "KILL"), check=False)
+        if self._has_runtime_state(sandbox_id):
+            # --force kills whatever still runs before deleting.
             _run(self._runsc("delete", "--force", sandbox_id), check=False)
         rootfs = d / "rootfs"
         for _ in range(50):
@@ -298,6 +298,18 @@ class GVisorLauncher(Launcher):
         shutil.rmtree(d, ignore_errors=True)
 
     # -- inspection -----------------------------------------------------------------------
+
+    def _has_runtime_state(self, sandbox_id: str) -> bool:
+        # runsc keeps `<id>_sandbox:<id>.state` (and a lock) per container under its root; a
+        # glob is much cheaper than spawning `runsc state` on the hot path.
+        return self.root.exists() and any(self.root.glob(f"*{sandbox_id}*"))
+
+    def _agent_answers(self, handle: Handle) -> bool:
+        try:
+            self._client(handle).ping()
+            return True
+        except agent_client.AgentError:
+            return False
 
     def _runtime_status(self, sandbox_id: str) -> str:
         proc = _run(self._runsc("state", sandbox_id), check=False, timeout=15)

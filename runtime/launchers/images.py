@@ -207,6 +207,24 @@ def _mounts_under(path: str) -> list[str]:
     return sorted(found, key=len, reverse=True)
 
 
+def _overlay_users(path: str | os.PathLike) -> list[str]:
+    """Mount points of overlayfs mounts (in our mount namespace) using ``path`` as a lower dir."""
+    target = os.path.realpath(path)
+    pattern = re.compile(r"(?:lowerdir=|:)" + re.escape(target) + r"(?=[,:]|$)")
+    users = []
+    try:
+        with open("/proc/self/mountinfo", encoding="utf-8", errors="surrogateescape") as f:
+            for line in f:
+                pre, _, post = line.partition(" - ")
+                fields, post_fields = pre.split(), post.split()
+                if len(fields) > 4 and len(post_fields) >= 3 and post_fields[0] == "overlay":
+                    if pattern.search(post_fields[2]):
+                        users.append(fields[4])
+    except OSError:
+        pass
+    return users
+
+
 def _rmtree(path: str | os.PathLike) -> None:
     """Delete a tree we created; never descends into something still mounted inside it."""
     path = os.fspath(path)
@@ -833,8 +851,15 @@ class ImageStore:
                     available = ", ".join(sorted(names)) or "none (the store is empty)"
                     raise ImageNotFound(f"no image named {name!r}; images available: {available}")
                 digest = names.pop(name)
-            self._write_names(names)
             directory = self._digest_dir(digest)
+            if digest not in names.values() and directory.exists():
+                users = _overlay_users(directory / "rootfs")
+                if users:
+                    raise ImageError(
+                        f"image {name} ({digest}) is in use by {len(users)} mounted sandbox root "
+                        f"filesystem(s), e.g. {users[0]}; stop those sandboxes first"
+                    )
+            self._write_names(names)
             if digest not in names.values() and directory.exists():
                 doomed = self.blobs / f".del-{secrets.token_hex(8)}"
                 os.rename(directory, doomed)

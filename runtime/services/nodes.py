@@ -5,6 +5,7 @@ from __future__ import annotations
 from datetime import timedelta
 
 from django.conf import settings
+from django.db import transaction
 from django.db.models import Count, Q, Sum
 from django.utils import timezone
 
@@ -90,6 +91,7 @@ def node_pick(*, runtime: str, cpu: float, memory_mb: int, image: Image) -> Node
         )
     roomy.sort(key=lambda t: (t[0], t[1]), reverse=True)
     chosen = roomy[0][2]
-    # Lock, then re-check, so the capacity decision holds until this transaction commits.
-    Node.objects.select_for_update().filter(id=chosen.id).first()
+    # Lock so the capacity decision holds until the caller's transaction commits.
+    with transaction.atomic():
+        Node.objects.select_for_update().filter(id=chosen.id).first()
     return chosen

@@ -125,9 +125,18 @@ def sandbox_create(
 
 
 def _enqueue(task_name: str, sandbox_id: str, queue: str) -> None:
+    from kombu.exceptions import OperationalError
+
     from .. import tasks
 
-    getattr(tasks, task_name).apply_async(args=[sandbox_id], queue=queue)
+    try:
+        getattr(tasks, task_name).apply_async(args=[sandbox_id], queue=queue, retry=True,
+                                              retry_policy={"max_retries": 3, "interval_start": 0.2})  # fmt: skip
+    except OperationalError as exc:
+        # The row is committed; without its task it would wait forever. Say why instead.
+        log.error("could not enqueue %s for %s: %s", task_name, sandbox_id, exc)
+        if task_name == "provision":
+            sandbox_fail(sandbox_id=sandbox_id, reason=f"the task queue is unreachable: {exc}")
 
 
 def sandbox_wait(*, sandbox: Sandbox, timeout: float, statuses: Iterable[str] = SETTLED) -> Sandbox:
@@ -441,13 +450,12 @@ def sandbox_exec(
         Exec.objects.filter(id=row.id).update(error=str(exc), finished_at=timezone.now())
         raise _runtime_failure(sandbox, exc) from exc
     keep = settings.HANGAR_EXEC_KEEP_OUTPUT_BYTES
-    Exec.objects.filter(id=row.id).update(
-        exit_code=result.exit_code, timed_out=result.timed_out,
-        stdout=_decode_for_storage(result.stdout, keep), stderr=_decode_for_storage(result.stderr, keep),
-        stdout_bytes=len(result.stdout), stderr_bytes=len(result.stderr),
-        finished_at=timezone.now(), duration_ms=result.duration_ms,
-    )  # fmt: skip
-    row.refresh_from_db()
+    row.exit_code, row.timed_out = result.exit_code, result.timed_out
+    row.stdout, row.stderr = _decode_for_storage(result.stdout, keep), _decode_for_storage(result.stderr, keep)
+    row.stdout_bytes, row.stderr_bytes = len(result.stdout), len(result.stderr)
+    row.finished_at, row.duration_ms = timezone.now(), result.duration_ms
+    row.save(update_fields=["exit_code", "timed_out", "stdout", "stderr", "stdout_bytes", "stderr_bytes",
+                            "finished_at", "duration_ms"])  # fmt: skip
     return ExecOutcome(exec=row, result=result)
 
 

@@ -82,7 +82,9 @@ def stop_agent(agent: RunningAgent) -> None:
 
 @pytest.fixture(scope="module")
 def agent_bin(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return agent_binary(tmp_path_factory.mktemp("agent-bin"))
+    # HANGAR_TEST_AGENT_BIN runs the suite against another build, e.g. one with sanitizers.
+    override = os.environ.get("HANGAR_TEST_AGENT_BIN")
+    return Path(override) if override else agent_binary(tmp_path_factory.mktemp("agent-bin"))
 
 
 @pytest.fixture(scope="module")
@@ -128,12 +130,20 @@ def raw_request(agent: RunningAgent, frame: bytes) -> tuple[bytes, dict[str, str
 # -- build ---------------------------------------------------------------------------------
 
 
-def test_build_is_cached_by_source_hash(agent_bin: Path) -> None:
-    assert agent_bin.name == f"hangar-agent-{build.agent_digest()}"
-    before = agent_bin.stat().st_mtime_ns
-    assert agent_binary(agent_bin.parent) == agent_bin
-    assert agent_bin.stat().st_mtime_ns == before
-    assert not [p for p in agent_bin.parent.iterdir() if p.name.endswith(".tmp")]
+def test_build_is_cached_by_source_hash(tmp_path: Path) -> None:
+    binary = agent_binary(tmp_path)
+    assert binary.name == f"hangar-agent-{build.agent_digest()}"
+    before = binary.stat().st_mtime_ns
+    assert agent_binary(tmp_path) == binary
+    assert binary.stat().st_mtime_ns == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([binary.name, ".hangar-agent.lock"])
+
+
+def test_concurrent_builds_share_one_binary(tmp_path: Path) -> None:
+    with ThreadPoolExecutor(3) as pool:
+        paths = set(pool.map(lambda _: agent_binary(tmp_path / "cache"), range(3)))
+    assert len(paths) == 1
+    assert subprocess.run([str(paths.pop()), "--help"], capture_output=True).returncode == 0
 
 
 def test_build_without_gcc_explains_how_to_install(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -249,6 +249,25 @@ def test_tag_list_and_remove_prunes_unreferenced_digests(store: ImageStore, tmp_
     assert leftovers(store) == []
 
 
+@pytest.mark.skipif(not IS_ROOT, reason="mounting an overlayfs needs root")
+def test_remove_refuses_an_image_mounted_as_an_overlay_lower_dir(store: ImageStore, tmp_path: Path) -> None:
+    info = store.build_busybox()
+    for d in ("upper", "work", "merged"):
+        (tmp_path / d).mkdir()
+    opts = f"lowerdir={info.rootfs},upperdir={tmp_path / 'upper'},workdir={tmp_path / 'work'}"
+    subprocess.run(["mount", "-t", "overlay", "overlay", "-o", opts, str(tmp_path / "merged")], check=True)
+    try:
+        with pytest.raises(ImageError, match="in use by 1 mounted sandbox"):
+            store.remove("busybox")
+        assert store.get("busybox") == info and info.rootfs.is_dir()
+        store.tag("other", "busybox")
+        store.remove("busybox")  # another name still points at it: nothing to prune
+    finally:
+        subprocess.run(["umount", str(tmp_path / "merged")], check=True)
+    store.remove("other")
+    assert store.list() == [] and not info.rootfs.exists()
+
+
 def test_retagging_keeps_the_old_image_unnamed(store: ImageStore, tmp_path: Path) -> None:
     make_oci_layout(tmp_path / "v1", [[F("v", "1")]])
     make_oci_layout(tmp_path / "v2", [[F("v", "2")]])

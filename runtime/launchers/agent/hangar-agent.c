@@ -8,9 +8,10 @@
  * Process model. The main process only accepts connections and reaps children: as PID 1 it
  * inherits every orphan in the sandbox, and it must never block on anything else. Each
  * connection is served by a forked handler that runs exactly one request and exits, so a
- * slow client, a bad request or a crash costs one connection only. A handler waits for its
- * own command with waitpid(pid); the main process can never steal that child, because a
- * process only ever reaps its own children.
+ * slow client, a bad request or a crash costs one connection only. A handler starts its
+ * command the way posix_spawn does (see struct spawn) and waits for it with waitpid(pid);
+ * the main process can never steal that child, because a process only ever reaps its own
+ * children.
  *
  * Wire format (both directions): frames of 1 byte type, 4 bytes big-endian payload length,
  * payload (at most MAX_PAYLOAD). The first client frame is the request; its payload and all
@@ -193,8 +194,8 @@ static void drain_fd(int fd)
     }
 }
 
-/* Blocks the signals whose handlers touch shared state, around fork(), so the child can
- * replace them before any can run in it. */
+/* Blocks the signals whose handlers touch shared state, around fork() and clone(), so the
+ * child can replace them before any can run in it. */
 static void block_signals(sigset_t *old)
 {
     sigset_t set;
@@ -265,6 +266,14 @@ static int read_full(int fd, void *buf, size_t len, int64_t deadline)
         got += (size_t)n;
     }
     return 1;
+}
+
+/* Closes each fd that is open (>= 0). */
+static void close_fds(const int *fds, size_t n)
+{
+    for (size_t i = 0; i < n; i++)
+        if (fds[i] >= 0)
+            close(fds[i]);
 }
 
 static void set_nonblock(int fd)
@@ -1449,85 +1458,98 @@ gone:
     return -1;
 }
 
-static void op_exec(const struct request *r)
-{
-    struct exec_io io;
-    memset(&io, 0, sizeof io);
-    io.sock = g_out.fd;
-    io.out_fd = io.err_fd = io.in_fd = io.master = -1;
+struct exec_request {
+    char **argv;
+    char **envp;
+    char **sh_argv;
+    const char *cwd;
+    unsigned long long timeout_ms, rows, cols;
+    int tty, want_stdin;
+};
 
+/* Validates and unpacks an 'E' request; replies F and returns -1 if it is malformed. */
+static int parse_exec(const struct request *r, struct exec_request *x)
+{
     size_t argc = 0, pos = 0;
+    const char *v;
     while (next_field(r->buf, r->len, "arg", &pos))
         argc++;
     if (argc == 0) {
         reply_error(EINVAL, "exec needs at least one arg");
-        return;
+        return -1;
     }
     pos = 0;
-    const char *entry;
-    while ((entry = next_field(r->buf, r->len, "env", &pos)) != NULL) {
-        if (!strchr(entry, '=') || entry[0] == '=') {
-            reply_error(EINVAL, "bad env entry %.256s: expected NAME=VALUE", entry);
-            return;
+    while ((v = next_field(r->buf, r->len, "env", &pos)) != NULL) {
+        if (!strchr(v, '=') || v[0] == '=') {
+            reply_error(EINVAL, "bad env entry %.256s: expected NAME=VALUE", v);
+            return -1;
         }
     }
-    unsigned long long timeout_ms = 0, rows = 24, cols = 80;
-    const char *v = req_get(r, "timeout_ms");
-    if (v && parse_uint(v, 10, 1000ULL * 86400 * 365, &timeout_ms) < 0) {
+    x->timeout_ms = 0;
+    x->rows = 24;
+    x->cols = 80;
+    if ((v = req_get(r, "timeout_ms")) && parse_uint(v, 10, 1000ULL * 86400 * 365, &x->timeout_ms) < 0) {
         reply_error(EINVAL, "bad timeout_ms %.64s", v);
-        return;
+        return -1;
     }
-    int tty = req_flag(r, "tty");
-    if (((v = req_get(r, "rows")) && parse_uint(v, 10, 65535, &rows) < 0) ||
-        ((v = req_get(r, "cols")) && parse_uint(v, 10, 65535, &cols) < 0)) {
+    if (((v = req_get(r, "rows")) && parse_uint(v, 10, 65535, &x->rows) < 0) ||
+        ((v = req_get(r, "cols")) && parse_uint(v, 10, 65535, &x->cols) < 0)) {
         reply_error(EINVAL, "bad rows/cols");
-        return;
+        return -1;
     }
-    const char *cwd = req_get(r, "cwd");
-    if (!cwd || !*cwd)
-        cwd = "/";
+    x->tty = req_flag(r, "tty");
+    x->want_stdin = req_flag(r, "stdin");
+    x->cwd = req_get(r, "cwd");
+    if (!x->cwd || !*x->cwd)
+        x->cwd = "/";
 
-    char **argv = calloc(argc + 1, sizeof *argv);
-    char **sh_argv = calloc(argc + 2, sizeof *sh_argv);
-    char **envp = merge_env(r);
-    io.rx_buf = malloc(MAX_PAYLOAD + 1);
-    io.in_buf = malloc(MAX_PAYLOAD + 1);
-    io.tx = malloc(HEADER_LEN + (FILE_CHUNK > OUTPUT_CHUNK ? FILE_CHUNK : OUTPUT_CHUNK));
-    if (!argv || !sh_argv || !envp || !io.rx_buf || !io.in_buf || !io.tx) {
+    x->argv = calloc(argc + 1, sizeof *x->argv);
+    x->sh_argv = calloc(argc + 2, sizeof *x->sh_argv);
+    x->envp = merge_env(r);
+    if (!x->argv || !x->sh_argv || !x->envp) {
         reply_errno(ENOMEM, "exec");
-        return; /* the handler exits right after; no point freeing */
+        return -1; /* the handler exits right after; no point freeing */
     }
     pos = 0;
     for (size_t i = 0; i < argc; i++)
-        argv[i] = (char *)next_field(r->buf, r->len, "arg", &pos);
+        x->argv[i] = (char *)next_field(r->buf, r->len, "arg", &pos);
+    return 0;
+}
 
-    /* Child-side fds, closed in the parent after fork. */
+/* Creates the command's stdio and starts it. On failure (including a failed chdir or exec
+ * in the child) replies F and returns -1; on success io holds our ends and the pid. */
+static int start_command(const struct exec_request *x, struct exec_io *io)
+{
+    /* The child's ends, closed here once it has them. */
     int c_in = -1, c_out = -1, c_err = -1, c_tty = -1;
     int report[2] = {-1, -1}, p[2];
+    int err = 0;
+    pid_t pid = -1;
+
     if (pipe2(report, O_CLOEXEC) < 0)
-        goto setup_failed;
-    if (tty) {
-        if (open_pty(&io.master, &c_tty, (unsigned short)rows, (unsigned short)cols) < 0)
-            goto setup_failed;
-        io.out_fd = io.in_fd = io.master;
+        goto failed;
+    if (x->tty) {
+        if (open_pty(&io->master, &c_tty, (unsigned short)x->rows, (unsigned short)x->cols) < 0)
+            goto failed;
+        io->out_fd = io->in_fd = io->master;
     } else {
         if (pipe2(p, O_CLOEXEC) < 0)
-            goto setup_failed;
-        io.out_fd = p[0];
+            goto failed;
+        io->out_fd = p[0];
         c_out = p[1];
         if (pipe2(p, O_CLOEXEC) < 0)
-            goto setup_failed;
-        io.err_fd = p[0];
+            goto failed;
+        io->err_fd = p[0];
         c_err = p[1];
-        if (req_flag(r, "stdin")) {
+        if (x->want_stdin) {
             if (pipe2(p, O_CLOEXEC) < 0)
-                goto setup_failed;
+                goto failed;
             c_in = p[0];
-            io.in_fd = p[1];
+            io->in_fd = p[1];
         } else if ((c_in = open("/dev/null", O_RDONLY | O_CLOEXEC)) < 0) {
             /* No /dev/null in this image: an empty pipe reads as EOF just the same. */
             if (pipe2(p, O_CLOEXEC) < 0)
-                goto setup_failed;
+                goto failed;
             c_in = p[0];
             close(p[1]);
         }
@@ -1535,25 +1557,21 @@ static void op_exec(const struct request *r)
 
     /* The child runs on this stack until it execs; we are suspended meanwhile. */
     static char spawn_stack[64 << 10] __attribute__((aligned(16)));
-    struct spawn sp = {argv, envp, sh_argv, cwd, c_in, c_out, c_err, c_tty, report[1]};
+    struct spawn sp = {x->argv, x->envp, x->sh_argv, x->cwd, c_in, c_out, c_err, c_tty, report[1]};
     sigset_t old;
     block_signals(&old);
-    pid_t pid = clone(spawn_child, spawn_stack + sizeof spawn_stack, CLONE_VM | CLONE_VFORK | SIGCHLD, &sp);
-    int fork_err = errno;
+    pid = clone(spawn_child, spawn_stack + sizeof spawn_stack, CLONE_VM | CLONE_VFORK | SIGCHLD, &sp);
+    err = errno;
     if (pid > 0)
-        g_cmd_pgid = pid;
+        g_cmd_pgid = pid; /* before SIGTERM can arrive: on_handler_term needs it */
     sigprocmask(SIG_SETMASK, &old, NULL);
+    if (pid < 0) {
+        errno = err;
+        goto failed;
+    }
+    io->pid = pid;
     close(report[1]);
     report[1] = -1;
-    if (pid < 0) {
-        errno = fork_err;
-        goto setup_failed;
-    }
-    io.pid = pid;
-    int child_fds[] = {c_in, c_out, c_err, c_tty};
-    for (size_t i = 0; i < sizeof child_fds / sizeof child_fds[0]; i++)
-        if (child_fds[i] >= 0)
-            close(child_fds[i]);
 
     /* The report pipe closes on a successful exec; before that, the child writes why not. */
     struct exec_failure fail;
@@ -1561,46 +1579,72 @@ static void op_exec(const struct request *r)
     do
         got = read(report[0], &fail, sizeof fail);
     while (got < 0 && errno == EINTR);
-    close(report[0]);
-    if (got == (ssize_t)sizeof fail) {
-        int status;
-        reap(pid, &status);
-        g_cmd_pgid = 0;
-        exec_cleanup(&io);
-        if (fail.stage == STAGE_CHDIR)
-            reply_error(fail.err, "chdir %.2048s: %s", cwd, strerror(fail.err));
-        else if (fail.stage == STAGE_EXEC)
-            reply_error(fail.err, "exec %.2048s: %s", argv[0], strerror(fail.err));
-        else
-            reply_error(fail.err, "starting %.2048s: %s", argv[0], strerror(fail.err));
+    close_fds((int[]){c_in, c_out, c_err, c_tty, report[0]}, 5);
+    if (got != (ssize_t)sizeof fail)
+        return 0;
+    int status;
+    reap(pid, &status);
+    g_cmd_pgid = 0;
+    exec_cleanup(io);
+    if (fail.stage == STAGE_CHDIR)
+        reply_error(fail.err, "chdir %.2048s: %s", x->cwd, strerror(fail.err));
+    else if (fail.stage == STAGE_EXEC)
+        reply_error(fail.err, "exec %.2048s: %s", x->argv[0], strerror(fail.err));
+    else
+        reply_error(fail.err, "starting %.2048s: %s", x->argv[0], strerror(fail.err));
+    return -1;
+
+failed:
+    err = errno;
+    close_fds((int[]){c_in, c_out, c_err, c_tty, report[0], report[1]}, 6);
+    exec_cleanup(io);
+    reply_errno(err, "exec setup");
+    return -1;
+}
+
+static void op_exec(const struct request *r)
+{
+    struct exec_request x;
+    struct exec_io io;
+    memset(&io, 0, sizeof io);
+    io.sock = g_out.fd;
+    io.out_fd = io.err_fd = io.in_fd = io.master = -1;
+
+    if (parse_exec(r, &x) < 0)
+        return;
+    io.rx_buf = malloc(MAX_PAYLOAD + 1);
+    io.in_buf = malloc(MAX_PAYLOAD + 1);
+    io.tx = malloc(HEADER_LEN + OUTPUT_CHUNK);
+    if (!io.rx_buf || !io.in_buf || !io.tx) {
+        reply_errno(ENOMEM, "exec");
         return;
     }
+    if (start_command(&x, &io) < 0)
+        return;
 
     struct fields f = {0};
-    field_addf(&f, "pid", "%d", (int)pid);
+    field_addf(&f, "pid", "%d", (int)io.pid);
     reply_fields('S', &f);
     out_flush();
     if (g_out.failed) {
-        kill_group(pid);
+        kill_group(io.pid);
         exec_cleanup(&io);
         int status;
-        reap(pid, &status);
+        reap(io.pid, &status);
         return;
     }
 
     set_nonblock(io.sock);
-    if (io.out_fd >= 0)
-        set_nonblock(io.out_fd);
-    if (io.err_fd >= 0)
-        set_nonblock(io.err_fd);
-    if (io.in_fd >= 0)
-        set_nonblock(io.in_fd);
+    int fds[] = {io.out_fd, io.err_fd, io.in_fd};
+    for (size_t i = 0; i < sizeof fds / sizeof fds[0]; i++)
+        if (fds[i] >= 0)
+            set_nonblock(fds[i]);
 
-    if (exec_stream(&io, (int64_t)timeout_ms) < 0)
+    if (exec_stream(&io, (int64_t)x.timeout_ms) < 0)
         return;
 
     int status = 0;
-    int reaped = reap(pid, &status) == 0;
+    int reaped = reap(io.pid, &status) == 0;
     g_cmd_pgid = 0;
     int code = -1, sig = 0;
     if (io.timed_out) {
@@ -1616,17 +1660,6 @@ static void op_exec(const struct request *r)
     field_addf(&f, "signal", "%d", sig);
     field_addf(&f, "timed_out", "%d", io.timed_out);
     reply_fields('X', &f);
-    return;
-
-setup_failed: {
-    int err = errno;
-    int fds[] = {c_in, c_out, c_err, c_tty, report[0], report[1]};
-    for (size_t i = 0; i < sizeof fds / sizeof fds[0]; i++)
-        if (fds[i] >= 0)
-            close(fds[i]);
-    exec_cleanup(&io);
-    reply_errno(err, "exec setup");
-}
 }
 
 /* ---- one connection -------------------------------------------------------------------- */
