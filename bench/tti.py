@@ -296,7 +296,9 @@ def main() -> int:
     print(row("exec on a running sandbox, through the API", results["api_exec"], 1000, "ms"))  # type: ignore[arg-type]
     print(row("exec on a running sandbox, agent socket", results["agent_exec"], 1000, "ms"))  # type: ignore[arg-type]
     mem = results["idle_sandbox_memory_mb"]
-    print(f"| idle sandbox memory, runsc sandbox + gofer: RSS / PSS / USS | {mem['rss']:.1f} / {mem['pss']:.1f} / {mem['uss']:.1f} MB | | 1 |")  # type: ignore[index]
+    print(
+        f"| idle sandbox memory, runsc sandbox + gofer: RSS / PSS / USS | {mem['rss']:.1f} / {mem['pss']:.1f} / {mem['uss']:.1f} MB | | 1 |"
+    )  # type: ignore[index]
     print(f"\nHangar / raw (sequential medians): {results['ratio_sequential_median']:.2f}×")
     out = Path(args.json)
     out.parent.mkdir(parents=True, exist_ok=True)

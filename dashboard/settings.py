@@ -161,7 +161,6 @@ CHANNEL_LAYERS = {
 }
 
 
-
 def celery_redis_url(url: str) -> str:
     # redis-py spells a unix socket unix:///path; kombu and Celery's backend spell it redis+socket://.
     if url.startswith("unix://"):

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import httpx
 import pytest
-from runtime.launchers.agent.build import agent_binary
 
+from runtime.launchers.agent.build import agent_binary
 from runtime.launchers.images import ImageStore
 
 from .support import free_port, wait_until

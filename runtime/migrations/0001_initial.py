@@ -8,7 +8,6 @@ import runtime.models
 
 
 class Migration(migrations.Migration):
-
     initial = True
 
     dependencies = [
@@ -17,145 +16,303 @@ class Migration(migrations.Migration):
 
     operations = [
         migrations.CreateModel(
-            name='Node',
+            name="Node",
             fields=[
-                ('id', models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name='ID')),
-                ('name', models.CharField(max_length=100, unique=True)),
-                ('status', models.CharField(choices=[('online', 'Online'), ('offline', 'Offline'), ('draining', 'Draining')], default='online', max_length=16)),
-                ('runtimes', models.JSONField(default=list)),
-                ('cpu_capacity', models.FloatField(default=1.0)),
-                ('memory_mb_capacity', models.IntegerField(default=1024)),
-                ('version', models.CharField(blank=True, max_length=32)),
-                ('heartbeat_at', models.DateTimeField(blank=True, null=True)),
-                ('started_at', models.DateTimeField(blank=True, null=True)),
-                ('created_at', models.DateTimeField(auto_now_add=True)),
+                (
+                    "id",
+                    models.BigAutoField(
+                        auto_created=True, primary_key=True, serialize=False, verbose_name="ID"
+                    ),
+                ),
+                ("name", models.CharField(max_length=100, unique=True)),
+                (
+                    "status",
+                    models.CharField(
+                        choices=[("online", "Online"), ("offline", "Offline"), ("draining", "Draining")],
+                        default="online",
+                        max_length=16,
+                    ),
+                ),
+                ("runtimes", models.JSONField(default=list)),
+                ("cpu_capacity", models.FloatField(default=1.0)),
+                ("memory_mb_capacity", models.IntegerField(default=1024)),
+                ("version", models.CharField(blank=True, max_length=32)),
+                ("heartbeat_at", models.DateTimeField(blank=True, null=True)),
+                ("started_at", models.DateTimeField(blank=True, null=True)),
+                ("created_at", models.DateTimeField(auto_now_add=True)),
             ],
         ),
         migrations.CreateModel(
-            name='Team',
+            name="Team",
             fields=[
-                ('id', models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name='ID')),
-                ('name', models.CharField(max_length=100, unique=True)),
-                ('created_at', models.DateTimeField(auto_now_add=True)),
+                (
+                    "id",
+                    models.BigAutoField(
+                        auto_created=True, primary_key=True, serialize=False, verbose_name="ID"
+                    ),
+                ),
+                ("name", models.CharField(max_length=100, unique=True)),
+                ("created_at", models.DateTimeField(auto_now_add=True)),
             ],
         ),
         migrations.CreateModel(
-            name='Image',
+            name="Image",
             fields=[
-                ('id', models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name='ID')),
-                ('name', models.CharField(max_length=128, unique=True)),
-                ('digest', models.CharField(max_length=80)),
-                ('size_bytes', models.BigIntegerField(default=0)),
-                ('source', models.CharField(blank=True, max_length=300)),
-                ('config', models.JSONField(default=dict)),
-                ('created_at', models.DateTimeField(auto_now_add=True)),
-                ('updated_at', models.DateTimeField(auto_now=True)),
-                ('nodes', models.ManyToManyField(blank=True, related_name='images', to='runtime.node')),
+                (
+                    "id",
+                    models.BigAutoField(
+                        auto_created=True, primary_key=True, serialize=False, verbose_name="ID"
+                    ),
+                ),
+                ("name", models.CharField(max_length=128, unique=True)),
+                ("digest", models.CharField(max_length=80)),
+                ("size_bytes", models.BigIntegerField(default=0)),
+                ("source", models.CharField(blank=True, max_length=300)),
+                ("config", models.JSONField(default=dict)),
+                ("created_at", models.DateTimeField(auto_now_add=True)),
+                ("updated_at", models.DateTimeField(auto_now=True)),
+                ("nodes", models.ManyToManyField(blank=True, related_name="images", to="runtime.node")),
             ],
         ),
         migrations.CreateModel(
-            name='Sandbox',
+            name="Sandbox",
             fields=[
-                ('id', models.CharField(default=runtime.models.new_sandbox_id, editable=False, max_length=32, primary_key=True, serialize=False)),
-                ('image', models.CharField(max_length=128)),
-                ('image_digest', models.CharField(max_length=80)),
-                ('runtime', models.CharField(default='gvisor', max_length=32)),
-                ('status', models.CharField(choices=[('pending', 'Pending'), ('starting', 'Starting'), ('running', 'Running'), ('stopping', 'Stopping'), ('stopped', 'Stopped'), ('failed', 'Failed'), ('deleted', 'Deleted')], db_index=True, default='pending', max_length=16)),
-                ('status_reason', models.TextField(blank=True)),
-                ('cpu', models.FloatField(default=1.0)),
-                ('memory_mb', models.IntegerField(default=512)),
-                ('timeout_s', models.IntegerField(default=300)),
-                ('env', models.JSONField(default=dict)),
-                ('metadata', models.JSONField(default=dict)),
-                ('handle', models.JSONField(blank=True, default=dict)),
-                ('created_at', models.DateTimeField(auto_now_add=True)),
-                ('started_at', models.DateTimeField(blank=True, null=True)),
-                ('stopped_at', models.DateTimeField(blank=True, null=True)),
-                ('expires_at', models.DateTimeField(blank=True, db_index=True, null=True)),
-                ('updated_at', models.DateTimeField(auto_now=True)),
-                ('created_by', models.ForeignKey(blank=True, null=True, on_delete=django.db.models.deletion.SET_NULL, to=settings.AUTH_USER_MODEL)),
-                ('node', models.ForeignKey(blank=True, null=True, on_delete=django.db.models.deletion.SET_NULL, related_name='sandboxes', to='runtime.node')),
-                ('team', models.ForeignKey(on_delete=django.db.models.deletion.CASCADE, related_name='sandboxes', to='runtime.team')),
+                (
+                    "id",
+                    models.CharField(
+                        default=runtime.models.new_sandbox_id,
+                        editable=False,
+                        max_length=32,
+                        primary_key=True,
+                        serialize=False,
+                    ),
+                ),
+                ("image", models.CharField(max_length=128)),
+                ("image_digest", models.CharField(max_length=80)),
+                ("runtime", models.CharField(default="gvisor", max_length=32)),
+                (
+                    "status",
+                    models.CharField(
+                        choices=[
+                            ("pending", "Pending"),
+                            ("starting", "Starting"),
+                            ("running", "Running"),
+                            ("stopping", "Stopping"),
+                            ("stopped", "Stopped"),
+                            ("failed", "Failed"),
+                            ("deleted", "Deleted"),
+                        ],
+                        db_index=True,
+                        default="pending",
+                        max_length=16,
+                    ),
+                ),
+                ("status_reason", models.TextField(blank=True)),
+                ("cpu", models.FloatField(default=1.0)),
+                ("memory_mb", models.IntegerField(default=512)),
+                ("timeout_s", models.IntegerField(default=300)),
+                ("env", models.JSONField(default=dict)),
+                ("metadata", models.JSONField(default=dict)),
+                ("handle", models.JSONField(blank=True, default=dict)),
+                ("created_at", models.DateTimeField(auto_now_add=True)),
+                ("started_at", models.DateTimeField(blank=True, null=True)),
+                ("stopped_at", models.DateTimeField(blank=True, null=True)),
+                ("expires_at", models.DateTimeField(blank=True, db_index=True, null=True)),
+                ("updated_at", models.DateTimeField(auto_now=True)),
+                (
+                    "created_by",
+                    models.ForeignKey(
+                        blank=True,
+                        null=True,
+                        on_delete=django.db.models.deletion.SET_NULL,
+                        to=settings.AUTH_USER_MODEL,
+                    ),
+                ),
+                (
+                    "node",
+                    models.ForeignKey(
+                        blank=True,
+                        null=True,
+                        on_delete=django.db.models.deletion.SET_NULL,
+                        related_name="sandboxes",
+                        to="runtime.node",
+                    ),
+                ),
+                (
+                    "team",
+                    models.ForeignKey(
+                        on_delete=django.db.models.deletion.CASCADE,
+                        related_name="sandboxes",
+                        to="runtime.team",
+                    ),
+                ),
             ],
             options={
-                'ordering': ['-created_at'],
+                "ordering": ["-created_at"],
             },
         ),
         migrations.CreateModel(
-            name='SandboxEvent',
+            name="SandboxEvent",
             fields=[
-                ('id', models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name='ID')),
-                ('kind', models.CharField(max_length=32)),
-                ('status_from', models.CharField(blank=True, max_length=16)),
-                ('status_to', models.CharField(blank=True, max_length=16)),
-                ('message', models.TextField(blank=True)),
-                ('data', models.JSONField(blank=True, default=dict)),
-                ('created_at', models.DateTimeField(auto_now_add=True, db_index=True)),
-                ('sandbox', models.ForeignKey(on_delete=django.db.models.deletion.CASCADE, related_name='events', to='runtime.sandbox')),
+                (
+                    "id",
+                    models.BigAutoField(
+                        auto_created=True, primary_key=True, serialize=False, verbose_name="ID"
+                    ),
+                ),
+                ("kind", models.CharField(max_length=32)),
+                ("status_from", models.CharField(blank=True, max_length=16)),
+                ("status_to", models.CharField(blank=True, max_length=16)),
+                ("message", models.TextField(blank=True)),
+                ("data", models.JSONField(blank=True, default=dict)),
+                ("created_at", models.DateTimeField(auto_now_add=True, db_index=True)),
+                (
+                    "sandbox",
+                    models.ForeignKey(
+                        on_delete=django.db.models.deletion.CASCADE,
+                        related_name="events",
+                        to="runtime.sandbox",
+                    ),
+                ),
             ],
             options={
-                'ordering': ['created_at', 'id'],
+                "ordering": ["created_at", "id"],
             },
         ),
         migrations.CreateModel(
-            name='Membership',
+            name="Membership",
             fields=[
-                ('id', models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name='ID')),
-                ('role', models.CharField(choices=[('owner', 'Owner'), ('admin', 'Admin'), ('member', 'Member'), ('viewer', 'Viewer')], default='member', max_length=16)),
-                ('created_at', models.DateTimeField(auto_now_add=True)),
-                ('user', models.ForeignKey(on_delete=django.db.models.deletion.CASCADE, related_name='memberships', to=settings.AUTH_USER_MODEL)),
-                ('team', models.ForeignKey(on_delete=django.db.models.deletion.CASCADE, related_name='memberships', to='runtime.team')),
+                (
+                    "id",
+                    models.BigAutoField(
+                        auto_created=True, primary_key=True, serialize=False, verbose_name="ID"
+                    ),
+                ),
+                (
+                    "role",
+                    models.CharField(
+                        choices=[
+                            ("owner", "Owner"),
+                            ("admin", "Admin"),
+                            ("member", "Member"),
+                            ("viewer", "Viewer"),
+                        ],
+                        default="member",
+                        max_length=16,
+                    ),
+                ),
+                ("created_at", models.DateTimeField(auto_now_add=True)),
+                (
+                    "user",
+                    models.ForeignKey(
+                        on_delete=django.db.models.deletion.CASCADE,
+                        related_name="memberships",
+                        to=settings.AUTH_USER_MODEL,
+                    ),
+                ),
+                (
+                    "team",
+                    models.ForeignKey(
+                        on_delete=django.db.models.deletion.CASCADE,
+                        related_name="memberships",
+                        to="runtime.team",
+                    ),
+                ),
             ],
         ),
         migrations.CreateModel(
-            name='ApiToken',
+            name="ApiToken",
             fields=[
-                ('id', models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name='ID')),
-                ('name', models.CharField(blank=True, max_length=100)),
-                ('prefix', models.CharField(max_length=12)),
-                ('token_hash', models.CharField(max_length=64, unique=True)),
-                ('created_at', models.DateTimeField(auto_now_add=True)),
-                ('last_used_at', models.DateTimeField(blank=True, null=True)),
-                ('expires_at', models.DateTimeField(blank=True, null=True)),
-                ('revoked_at', models.DateTimeField(blank=True, null=True)),
-                ('user', models.ForeignKey(on_delete=django.db.models.deletion.CASCADE, related_name='api_tokens', to=settings.AUTH_USER_MODEL)),
-                ('team', models.ForeignKey(on_delete=django.db.models.deletion.CASCADE, related_name='api_tokens', to='runtime.team')),
+                (
+                    "id",
+                    models.BigAutoField(
+                        auto_created=True, primary_key=True, serialize=False, verbose_name="ID"
+                    ),
+                ),
+                ("name", models.CharField(blank=True, max_length=100)),
+                ("prefix", models.CharField(max_length=12)),
+                ("token_hash", models.CharField(max_length=64, unique=True)),
+                ("created_at", models.DateTimeField(auto_now_add=True)),
+                ("last_used_at", models.DateTimeField(blank=True, null=True)),
+                ("expires_at", models.DateTimeField(blank=True, null=True)),
+                ("revoked_at", models.DateTimeField(blank=True, null=True)),
+                (
+                    "user",
+                    models.ForeignKey(
+                        on_delete=django.db.models.deletion.CASCADE,
+                        related_name="api_tokens",
+                        to=settings.AUTH_USER_MODEL,
+                    ),
+                ),
+                (
+                    "team",
+                    models.ForeignKey(
+                        on_delete=django.db.models.deletion.CASCADE,
+                        related_name="api_tokens",
+                        to="runtime.team",
+                    ),
+                ),
             ],
         ),
         migrations.CreateModel(
-            name='Exec',
+            name="Exec",
             fields=[
-                ('id', models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name='ID')),
-                ('argv', models.JSONField(default=list)),
-                ('cwd', models.CharField(blank=True, max_length=4096)),
-                ('exit_code', models.IntegerField(blank=True, null=True)),
-                ('timed_out', models.BooleanField(default=False)),
-                ('stdout', models.TextField(blank=True)),
-                ('stderr', models.TextField(blank=True)),
-                ('stdout_bytes', models.BigIntegerField(default=0)),
-                ('stderr_bytes', models.BigIntegerField(default=0)),
-                ('error', models.TextField(blank=True)),
-                ('started_at', models.DateTimeField(auto_now_add=True)),
-                ('finished_at', models.DateTimeField(blank=True, null=True)),
-                ('duration_ms', models.FloatField(blank=True, null=True)),
-                ('created_by', models.ForeignKey(blank=True, null=True, on_delete=django.db.models.deletion.SET_NULL, to=settings.AUTH_USER_MODEL)),
-                ('sandbox', models.ForeignKey(on_delete=django.db.models.deletion.CASCADE, related_name='execs', to='runtime.sandbox')),
+                (
+                    "id",
+                    models.BigAutoField(
+                        auto_created=True, primary_key=True, serialize=False, verbose_name="ID"
+                    ),
+                ),
+                ("argv", models.JSONField(default=list)),
+                ("cwd", models.CharField(blank=True, max_length=4096)),
+                ("exit_code", models.IntegerField(blank=True, null=True)),
+                ("timed_out", models.BooleanField(default=False)),
+                ("stdout", models.TextField(blank=True)),
+                ("stderr", models.TextField(blank=True)),
+                ("stdout_bytes", models.BigIntegerField(default=0)),
+                ("stderr_bytes", models.BigIntegerField(default=0)),
+                ("error", models.TextField(blank=True)),
+                ("started_at", models.DateTimeField(auto_now_add=True)),
+                ("finished_at", models.DateTimeField(blank=True, null=True)),
+                ("duration_ms", models.FloatField(blank=True, null=True)),
+                (
+                    "created_by",
+                    models.ForeignKey(
+                        blank=True,
+                        null=True,
+                        on_delete=django.db.models.deletion.SET_NULL,
+                        to=settings.AUTH_USER_MODEL,
+                    ),
+                ),
+                (
+                    "sandbox",
+                    models.ForeignKey(
+                        on_delete=django.db.models.deletion.CASCADE,
+                        related_name="execs",
+                        to="runtime.sandbox",
+                    ),
+                ),
             ],
             options={
-                'ordering': ['-started_at'],
-                'constraints': [models.CheckConstraint(condition=models.Q(('stdout_bytes__gte', 0), ('stderr_bytes__gte', 0)), name='exec_bytes_nonneg')],
+                "ordering": ["-started_at"],
+                "constraints": [
+                    models.CheckConstraint(
+                        condition=models.Q(("stdout_bytes__gte", 0), ("stderr_bytes__gte", 0)),
+                        name="exec_bytes_nonneg",
+                    )
+                ],
             },
         ),
         migrations.AddIndex(
-            model_name='sandbox',
-            index=models.Index(fields=['team', 'status'], name='runtime_san_team_id_ebaf50_idx'),
+            model_name="sandbox",
+            index=models.Index(fields=["team", "status"], name="runtime_san_team_id_ebaf50_idx"),
         ),
         migrations.AddIndex(
-            model_name='sandbox',
-            index=models.Index(fields=['node', 'status'], name='runtime_san_node_id_f45595_idx'),
+            model_name="sandbox",
+            index=models.Index(fields=["node", "status"], name="runtime_san_node_id_f45595_idx"),
         ),
         migrations.AddConstraint(
-            model_name='membership',
-            constraint=models.UniqueConstraint(fields=('user', 'team'), name='membership_unique'),
+            model_name="membership",
+            constraint=models.UniqueConstraint(fields=("user", "team"), name="membership_unique"),
         ),
     ]

@@ -451,7 +451,10 @@ def sandbox_exec(
         raise _runtime_failure(sandbox, exc) from exc
     keep = settings.HANGAR_EXEC_KEEP_OUTPUT_BYTES
     row.exit_code, row.timed_out = result.exit_code, result.timed_out
-    row.stdout, row.stderr = _decode_for_storage(result.stdout, keep), _decode_for_storage(result.stderr, keep)
+    row.stdout, row.stderr = (
+        _decode_for_storage(result.stdout, keep),
+        _decode_for_storage(result.stderr, keep),
+    )
     row.stdout_bytes, row.stderr_bytes = len(result.stdout), len(result.stderr)
     row.finished_at, row.duration_ms = timezone.now(), result.duration_ms
     row.save(update_fields=["exit_code", "timed_out", "stdout", "stderr", "stdout_bytes", "stderr_bytes",
