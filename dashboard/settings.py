@@ -60,6 +60,8 @@ def database_from_url(url: str, data_dir: Path) -> dict:
             "NAME": str(data_dir / "hangar.sqlite3"),
             # Several processes (server, workers, beat) write: WAL lets readers and one writer
             # overlap, IMMEDIATE takes the write lock up front instead of failing on upgrade.
+            # Keep connections: opening one costs the PRAGMAs below on every request otherwise.
+            "CONN_MAX_AGE": env_int("HANGAR_DB_CONN_MAX_AGE", 600),
             "OPTIONS": {
                 "init_command": "PRAGMA journal_mode=WAL; PRAGMA synchronous=NORMAL;",
                 "transaction_mode": "IMMEDIATE",

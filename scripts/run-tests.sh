@@ -5,7 +5,7 @@ cd "$(dirname "$0")/.."
 VENV=${VENV:-.venv}
 $VENV/bin/ruff check dashboard runtime tests bench || exit 1
 HANGAR_DATA_DIR=$(mktemp -d) DATABASE_URL= REDIS_URL= $VENV/bin/python manage.py makemigrations --check --dry-run >/dev/null || { echo "missing migrations" >&2; exit 1; }
-$VENV/bin/python -m pytest "$@"
+HANGAR_TEST_BASE_IMAGE=${HANGAR_TEST_BASE_IMAGE-1} $VENV/bin/python -m pytest "$@"
 rc=$?
 if [ $rc -eq 5 ]; then echo "pytest collected no tests: failing" >&2; exit 1; fi
 exit $rc

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import multiprocessing
 import os
+import shutil
 import stat
 import subprocess
 import tarfile
@@ -640,9 +641,9 @@ def test_pull_needs_skopeo(store: ImageStore, monkeypatch: pytest.MonkeyPatch) -
     not os.environ.get("HANGAR_TEST_BASE_IMAGE"),
     reason="builds a full Debian rootfs from the mirror (minutes); CI sets HANGAR_TEST_BASE_IMAGE=1",
 )
-def test_build_base_debian_image(store: ImageStore) -> None:
+def test_build_base_debian_image(image_store: ImageStore, agent_cache_dir, tmp_path) -> None:
     lines: list[str] = []
-    info = store.build_base(progress=lines.append)
+    info = image_store.build_base(progress=lines.append)
     assert info.name == "base" and len(lines) > 5
     root = info.rootfs
     for tool in ("bash", "git", "curl", "python3", "node", "npm", "ps", "less", "ssh", "xz"):
@@ -661,3 +662,18 @@ def test_build_base_debian_image(store: ImageStore) -> None:
             ["chroot", str(root), "python3", "-c", "print(6 * 7)"], capture_output=True, text=True
         )
         assert out.stdout.strip() == "42", out.stderr
+    if IS_ROOT and shutil.which("runsc"):
+        # And it is what harnesses will run: python3, node, git and bash inside a real gVisor sandbox.
+        from runtime.launchers.base import ExecRequest, SandboxSpec
+        from runtime.launchers.gvisor import GVisorLauncher
+
+        launcher = GVisorLauncher(state_dir=tmp_path / "gvisor", agent_cache_dir=agent_cache_dir)
+        handle = launcher.create(SandboxSpec(id="base" + os.urandom(4).hex(), rootfs=root, memory_mb=512))
+        try:
+            script = "python3 -c 'print(6*7)'; node -e 'console.log(6*7)'; git --version; bash -c 'echo $BASH_VERSION'"
+            r = launcher.exec(handle, ExecRequest(argv=["/bin/sh", "-c", script], timeout=60))
+            lines_out = r.stdout.decode().splitlines()
+            assert r.exit_code == 0, r.stderr
+            assert lines_out[:2] == ["42", "42"] and lines_out[2].startswith("git version") and lines_out[3]
+        finally:
+            launcher.destroy(handle)
