@@ -221,7 +221,20 @@ class GVisorLauncher(Launcher):
                 return handle
             for sub in ("upper", "work", "rootfs", "run", "bundle"):
                 (d / sub).mkdir(parents=True, exist_ok=True)
-            os.chmod(d / "run", 0o700)
+            if not _is_mounted(d / "run"):
+                # The sandbox can write into this bind mount: a tiny tmpfs keeps it from filling
+                # the host's disk through it.
+                _run(
+                    [
+                        "mount",
+                        "-t",
+                        "tmpfs",
+                        "-o",
+                        "size=1m,mode=0700,nosuid,nodev,noexec",
+                        "tmpfs",
+                        str(d / "run"),
+                    ]
+                )
             if not _is_mounted(d / "rootfs"):
                 opts = f"lowerdir={spec.rootfs},upperdir={d / 'upper'},workdir={d / 'work'}"
                 _run(["mount", "-t", "overlay", "overlay", "-o", opts, str(d / "rootfs")])
@@ -283,15 +296,8 @@ class GVisorLauncher(Launcher):
         if self._has_runtime_state(sandbox_id):
             # --force kills whatever still runs before deleting.
             _run(self._runsc("delete", "--force", sandbox_id), check=False)
-        rootfs = d / "rootfs"
-        for _ in range(50):
-            if not _is_mounted(rootfs):
-                break
-            # The gofer may hold the mount for a moment after the sandbox dies.
-            if _run(["umount", str(rootfs)], check=False).returncode != 0:
-                time.sleep(0.05)
-        if _is_mounted(rootfs):
-            _run(["umount", "-l", str(rootfs)], check=False)
+        for mountpoint in (d / "rootfs", d / "run"):
+            _unmount(mountpoint)
         for controller_dir in _cgroup_dirs(sandbox_id):
             with contextlib.suppress(OSError):
                 controller_dir.rmdir()
@@ -428,6 +434,17 @@ class GVisorLauncher(Launcher):
         with self._agent_call(handle) as client:
             entries = client.list_dir(path)
         return [FileEntry(e.name, e.path, e.type, e.size, e.mode, e.mtime) for e in entries]
+
+
+def _unmount(path: Path) -> None:
+    for _ in range(50):
+        if not _is_mounted(path):
+            return
+        # The gofer may hold the mount for a moment after the sandbox dies.
+        if _run(["umount", str(path)], check=False).returncode != 0:
+            time.sleep(0.05)
+    if _is_mounted(path):
+        _run(["umount", "-l", str(path)], check=False)
 
 
 def _cgroup_roots() -> list[Path]:

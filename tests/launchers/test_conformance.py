@@ -331,3 +331,15 @@ def test_stats_report_memory_and_cpu(launcher, sandbox):
 
 def test_runsc_is_present():
     assert shutil.which("runsc"), "runsc must be installed by .ci/run"
+
+
+def test_the_sandbox_cannot_fill_the_host_disk_through_the_agent_dir(launcher, sandbox):
+    r = run(launcher, sandbox, "dd if=/dev/zero of=/.hangar/run/fill bs=1M count=50; echo rc=$?")
+    assert b"rc=0" not in r.stdout
+    run(launcher, sandbox, "rm -f /.hangar/run/fill")
+    assert run(launcher, sandbox, "echo still answering").stdout == b"still answering\n"
+
+
+def test_the_agent_binary_is_read_only(launcher, sandbox):
+    r = run(launcher, sandbox, "echo x > /.hangar/agent; echo rc=$?")
+    assert b"rc=0" not in r.stdout
