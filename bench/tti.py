@@ -55,7 +55,7 @@ def summary(values: list[float]) -> dict[str, float]:
 # -- (a) raw runsc ----------------------------------------------------------------------------
 
 
-def raw_runsc(n: int, work: Path) -> list[float]:
+def raw_bundle(work: Path) -> tuple[Path, Path]:
     store = ImageStore(work / "images")
     rootfs = store.build_busybox().rootfs
     bundle = work / "bundle"
@@ -66,23 +66,55 @@ def raw_runsc(n: int, work: Path) -> list[float]:
     spec["process"]["terminal"] = False
     spec["root"] = {"path": str(rootfs), "readonly": True}
     (bundle / "config.json").write_text(json.dumps(spec))
-    root = work / "runsc-root"
+    return bundle, work / "runsc-root"
+
+
+def raw_once(bundle: Path, root: Path) -> tuple[float, str]:
+    cid = "raw" + uuid.uuid4().hex[:10]
+    start = time.perf_counter()
+    subprocess.run(
+        ["runsc", "--root", str(root), "--network=none", "run", "--detach", "--bundle", str(bundle), cid],
+        check=True, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, start_new_session=True,
+    )  # fmt: skip
+    out = subprocess.run(
+        ["runsc", "--root", str(root), "exec", cid, "echo", "ok"], capture_output=True, check=True
+    )
+    elapsed = time.perf_counter() - start
+    assert out.stdout == b"ok\n"
+    return elapsed, cid
+
+
+def raw_cleanup(root: Path, cid: str) -> None:
+    subprocess.run(["runsc", "--root", str(root), "delete", "--force", cid], capture_output=True)
+
+
+def raw_runsc(n: int, work: Path) -> list[float]:
+    bundle, root = raw_bundle(work)
     times = []
     for _ in range(n):
-        cid = "raw" + uuid.uuid4().hex[:10]
-        start = time.perf_counter()
-        subprocess.run(
-            ["runsc", "--root", str(root), "--network=none", "run", "--detach", "--bundle", str(bundle), cid],
-            check=True, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, start_new_session=True,
-        )  # fmt: skip
-        out = subprocess.run(
-            ["runsc", "--root", str(root), "exec", cid, "echo", "ok"], capture_output=True, check=True
-        )
-        times.append(time.perf_counter() - start)
-        assert out.stdout == b"ok\n"
-        subprocess.run(["runsc", "--root", str(root), "kill", cid, "KILL"], capture_output=True)
-        subprocess.run(["runsc", "--root", str(root), "delete", "--force", cid], capture_output=True)
+        elapsed, cid = raw_once(bundle, root)
+        times.append(elapsed)
+        raw_cleanup(root, cid)
     return times
+
+
+def raw_runsc_concurrent(n: int, work: Path) -> list[float]:
+    bundle, root = raw_bundle(work)
+    results: list[tuple[float, str]] = []
+    barrier = threading.Barrier(n)
+
+    def one() -> None:
+        barrier.wait()
+        results.append(raw_once(bundle, root))
+
+    threads = [threading.Thread(target=one) for _ in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for _, cid in results:
+        raw_cleanup(root, cid)
+    return [t for t, _ in results]
 
 
 # -- (b) Hangar through the API ---------------------------------------------------------------
@@ -244,6 +276,8 @@ def main() -> int:
     try:
         print(f"raw runsc: {args.n} × (run --detach + exec echo ok)…", flush=True)
         raw = raw_runsc(args.n, work)
+        print(f"raw runsc: {args.n} at once…", flush=True)
+        raw_conc = raw_runsc_concurrent(args.n, work)
         url, token = args.url, args.token
         if not url:
             proc, token = start_hangar(work / "data", args.port)
@@ -266,12 +300,14 @@ def main() -> int:
             print("exec latency on a running sandbox…", flush=True)
             api_exec = exec_latency(api, sid, 200)
             direct_exec = launcher_exec_latency(work / "data", sid, 200) if not args.url else []
-            time.sleep(2)
-            memory = idle_memory_mb(sid)
             api.delete(f"/sandboxes/{sid}")
+            hangar_once(api, created)  # a fresh sandbox that only ran `echo ok`, then sits idle
+            time.sleep(2)
+            memory = idle_memory_mb(created[-1])
+            api.delete(f"/sandboxes/{created[-1]}")
             wait_all_deleted(api)
         results.update(
-            raw_runsc=summary(raw), hangar_sequential=summary(seq), hangar_concurrent=summary(conc),
+            raw_runsc=summary(raw), raw_runsc_concurrent=summary(raw_conc), hangar_sequential=summary(seq), hangar_concurrent=summary(conc),
             api_exec=summary(api_exec), agent_exec=summary(direct_exec) if direct_exec else None,
             idle_sandbox_memory_mb=memory,
             ratio_sequential_median=statistics.median(seq) / statistics.median(raw),
@@ -291,6 +327,7 @@ def main() -> int:
     print("| measure | median | p95 | n |")
     print("| --- | --- | --- | --- |")
     print(row("raw runsc: run --detach + exec", results["raw_runsc"]))  # type: ignore[arg-type]
+    print(row(f"raw runsc: run --detach + exec, {args.n} at once", results["raw_runsc_concurrent"]))  # type: ignore[arg-type]
     print(row("Hangar API: create (wait) + exec, sequential", results["hangar_sequential"]))  # type: ignore[arg-type]
     print(row(f"Hangar API: create (wait) + exec, {args.n} at once", results["hangar_concurrent"]))  # type: ignore[arg-type]
     print(row("exec on a running sandbox, through the API", results["api_exec"], 1000, "ms"))  # type: ignore[arg-type]

@@ -66,7 +66,9 @@ class SandboxAdmin(admin.ModelAdmin):
     )
     list_filter = ("status", "runtime", "node")
     search_fields = ("id",)
-    readonly_fields = ("handle", "env")
+    # env may hold credentials: never rendered on a page.
+    exclude = ("env",)
+    readonly_fields = ("handle",)
     inlines = [EventInline]
 
 

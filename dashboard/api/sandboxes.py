@@ -89,8 +89,10 @@ class EventOut(Schema):
     created_at: datetime
 
 
-class StatusFilter(Schema):
+class ListFilter(Schema):
     status: str | None = None
+    limit: int = Field(100, ge=1, le=1000)
+    offset: int = Field(0, ge=0)
 
 
 class PathQuery(Schema):
@@ -124,11 +126,15 @@ async def create_sandbox(request: HttpRequest, payload: SandboxIn):
 
 
 @router.get("", response=list[SandboxOut])
-async def list_sandboxes(request: HttpRequest, filters: Query[StatusFilter]):
-    """The caller's team's sandboxes, newest first (deleted ones only with `?status=deleted`)."""
-    return await blocking(
-        lambda: list(svc.sandboxes_for_team(team=_team(request), status=filters.status)[:1000])
-    )()
+async def list_sandboxes(request: HttpRequest, filters: Query[ListFilter]):
+    """The caller's team's sandboxes, newest first (deleted ones only with `?status=deleted`);
+    `limit` (default 100, at most 1000) and `offset` page through them."""
+
+    def page() -> list[Sandbox]:
+        qs = svc.sandboxes_for_team(team=_team(request), status=filters.status)
+        return list(qs[filters.offset : filters.offset + filters.limit])
+
+    return await blocking(page)()
 
 
 @router.get("/{sandbox_id}", response=SandboxOut)
@@ -208,6 +214,19 @@ async def list_files(request: HttpRequest, sandbox_id: str, q: Query[PathQuery])
     """Entries of the directory at `path` inside the sandbox; symlinks are listed, not followed."""
     entries = await blocking(lambda: svc.sandbox_file_list(sandbox=_get(request, sandbox_id), path=q.path))()
     return [FileEntryOut(**e.__dict__) for e in entries]
+
+
+class StatsOut(Schema):
+    cpu_seconds: float
+    memory_bytes: int
+    memory_limit_bytes: int
+    pids: int
+
+
+@router.get("/{sandbox_id}/stats", response=StatsOut)
+async def get_stats(request: HttpRequest, sandbox_id: str):
+    """CPU time used so far and memory in use now (409 unless running)."""
+    return await blocking(lambda: svc.sandbox_stats(sandbox=_get(request, sandbox_id)))()
 
 
 @router.get("/{sandbox_id}/events", response=list[EventOut])

@@ -157,6 +157,14 @@ class Launcher(abc.ABC):
     def list(self) -> list[str]:
         """Ids of every sandbox this launcher holds resources for on this node (for reconciliation)."""
 
+    def states(self) -> dict[str, RuntimeState]:
+        """State of every sandbox on the node at once (reconciliation); runtimes that can
+        answer in one call override this."""
+        return {sandbox_id: self.state(self._handle_for(sandbox_id)) for sandbox_id in self.list()}
+
+    def _handle_for(self, sandbox_id: str) -> Handle:
+        return {"id": sandbox_id}
+
     @abc.abstractmethod
     def destroy_id(self, sandbox_id: str) -> None:
         """Destroy by id alone: reconciliation of resources that no row owns."""

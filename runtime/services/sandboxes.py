@@ -262,32 +262,29 @@ def node_reconcile(*, node_name: str) -> dict[str, list[str]]:
     grace = timezone.now() - timedelta(seconds=120)
     for runtime in node.runtimes or ["gvisor"]:
         launcher = launcher_for(runtime)
-        present = set(launcher.list())
+        states = launcher.states()
         rows = {
             r.id: r
-            for r in Sandbox.objects.filter(id__in=present).only(
-                "id", "status", "node_id", "handle", "updated_at", "runtime"
+            for r in Sandbox.objects.filter(id__in=list(states)).only(
+                "id", "status", "node_id", "updated_at", "runtime"
             )
         }
-        for sandbox_id in present:
+        for sandbox_id in states:
             row = rows.get(sandbox_id)
             if row is None or row.status in (S.FAILED, S.DELETED, S.STOPPED) or row.node_id != node.id:
                 launcher.destroy_id(sandbox_id)
                 report["destroyed"].append(sandbox_id)
         live = Sandbox.objects.filter(node=node, runtime=runtime, status__in=[S.RUNNING, S.STARTING])
-        for row in live:
+        for row in live.only("id", "status", "updated_at"):
             if row.status == S.STARTING and row.updated_at > grace:
                 continue  # being provisioned right now
-            if row.id in present:
-                st = launcher.state(row.handle or {"id": row.id})
-                if st.status == "running":
-                    continue
-                reason = st.reason or f"runtime reports {st.status}"
-            else:
-                reason = f"lost: node {node.name} no longer runs this sandbox"
+            st = states.get(row.id)
+            if st is not None and st.status in ("running", "paused"):
+                continue
+            reason = (st.reason if st else None) or f"lost: node {node.name} no longer runs this sandbox"
             if sandbox_fail(sandbox_id=row.id, reason=reason):
                 report["failed"].append(row.id)
-            if row.id in present:
+            if st is not None:
                 launcher.destroy_id(row.id)
     return report
 
@@ -379,6 +376,10 @@ def node_op(*, op: str, sandbox_id: str, payload: dict[str, Any]) -> dict[str, A
             return {"size": n}
         if op == "list":
             return {"entries": [e.__dict__ for e in launcher.list_files(sandbox.handle, payload["path"])]}
+        if op == "stats":
+            st = launcher.stats(sandbox.handle)
+            return {"cpu_seconds": st.cpu_seconds, "memory_bytes": st.memory_bytes,
+                    "memory_limit_bytes": st.memory_limit_bytes, "pids": st.pids}  # fmt: skip
     except FileOpError as exc:
         return {"error": "file", "errno": exc.errno_name, "message": exc.message}
     except SandboxNotRunning as exc:
@@ -462,7 +463,7 @@ def sandbox_exec(
     return ExecOutcome(exec=row, result=result)
 
 
-def _file_call(sandbox: Sandbox, fn):
+def _sandbox_call(sandbox: Sandbox, fn):
     _require_running(sandbox)
     try:
         return fn()
@@ -489,7 +490,7 @@ def sandbox_file_write(*, sandbox: Sandbox, path: str, data: bytes) -> int:
             _remote(sandbox, "write", {"path": path, "data": base64.b64encode(data).decode()}, 120)["size"]
         )
 
-    size = _file_call(sandbox, call)
+    size = _sandbox_call(sandbox, call)
     record_event(sandbox.id, "file", f"wrote {path} ({size} bytes)", path=path, size=size)
     return size
 
@@ -505,7 +506,7 @@ def sandbox_file_read(*, sandbox: Sandbox, path: str) -> tuple[FileEntry, Iterat
         a = _remote(sandbox, "read", {"path": path}, 120)
         return FileEntry(**a["entry"]), iter([base64.b64decode(a["data"])])
 
-    return _file_call(sandbox, call)  # type: ignore[no-any-return]
+    return _sandbox_call(sandbox, call)  # type: ignore[no-any-return]
 
 
 def sandbox_file_list(*, sandbox: Sandbox, path: str) -> list[FileEntry]:
@@ -517,18 +518,17 @@ def sandbox_file_list(*, sandbox: Sandbox, path: str) -> list[FileEntry]:
             return launcher_for(sandbox.runtime).list_files(sandbox.handle, path)
         return [FileEntry(**e) for e in _remote(sandbox, "list", {"path": path}, 60)["entries"]]
 
-    return _file_call(sandbox, call)  # type: ignore[no-any-return]
+    return _sandbox_call(sandbox, call)  # type: ignore[no-any-return]
 
 
-def sandbox_stats(*, sandbox: Sandbox) -> dict[str, Any] | None:
-    if sandbox.status != S.RUNNING or not _is_local(sandbox):
-        return None
-    try:
-        st = launcher_for(sandbox.runtime).stats(sandbox.handle)
-    except LauncherError:
-        return None
-    return {
-        "cpu_seconds": st.cpu_seconds,
-        "memory_bytes": st.memory_bytes,
-        "memory_limit_bytes": st.memory_limit_bytes,
-    }
+def sandbox_stats(*, sandbox: Sandbox) -> dict[str, Any]:
+    """CPU time and memory the running sandbox uses now."""
+
+    def call() -> dict[str, Any]:
+        if _is_local(sandbox):
+            st = launcher_for(sandbox.runtime).stats(sandbox.handle)
+            return {"cpu_seconds": st.cpu_seconds, "memory_bytes": st.memory_bytes,
+                    "memory_limit_bytes": st.memory_limit_bytes, "pids": st.pids}  # fmt: skip
+        return _remote(sandbox, "stats", {}, 30)
+
+    return _sandbox_call(sandbox, call)  # type: ignore[no-any-return]

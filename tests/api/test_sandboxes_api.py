@@ -50,6 +50,8 @@ def test_create_exec_files_delete(api):
     assert [(e["name"], e["type"], e["size"]) for e in r.json()] == [("data.bin", "file", len(data))]
 
     assert api.get(f"/sandboxes/{sid}").json()["status"] == "running"
+    stats = api.get(f"/sandboxes/{sid}/stats").json()
+    assert stats["memory_limit_bytes"] == 256 * 1024 * 1024 and stats["cpu_seconds"] > 0
     assert sid in [s["id"] for s in api.get("/sandboxes").json()]
     assert [s["id"] for s in api.get("/sandboxes", params={"status": "running"}).json()] == [sid]
 
@@ -137,6 +139,8 @@ def test_client_mistakes_are_4xx_never_500(api):
         api.get(f"/sandboxes/{sid}/files/list", params={"path": "/etc/passwd"}),
         api.get(f"/sandboxes/{sid}/files", params={"path": "/tmp"}),
         api.get("/sandboxes", params={"status": "bogus"}),
+        api.get("/sandboxes", params={"limit": 0}),
+        api.get("/sandboxes", params={"offset": -1}),
         api.post("/sandboxes", json={"image": "busybox", "env": {"A=B": "x"}}),
         api.post("/sandboxes", json={}),
     ]
@@ -173,3 +177,11 @@ def test_memory_limit_fails_the_sandbox_with_the_reason(api):
     assert "out of memory" in r.json()["detail"]
     sb = api.get(f"/sandboxes/{sid}").json()
     assert sb["status"] == "failed" and "out of memory" in sb["status_reason"]
+
+
+def test_list_is_newest_first_and_pages(api):
+    ids = [create(api, wait=False)["id"] for _ in range(3)]
+    listed = [s["id"] for s in api.get("/sandboxes").json()]
+    assert listed == ids[::-1]
+    assert [s["id"] for s in api.get("/sandboxes", params={"limit": 2}).json()] == ids[::-1][:2]
+    assert [s["id"] for s in api.get("/sandboxes", params={"limit": 2, "offset": 2}).json()] == ids[:1]

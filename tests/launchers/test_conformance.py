@@ -343,3 +343,11 @@ def test_the_sandbox_cannot_fill_the_host_disk_through_the_agent_dir(launcher, s
 def test_the_agent_binary_is_read_only(launcher, sandbox):
     r = run(launcher, sandbox, "echo x > /.hangar/agent; echo rc=$?")
     assert b"rc=0" not in r.stdout
+
+
+def test_states_reports_every_sandbox_at_once(launcher, make_sandbox):
+    alive, dying = make_sandbox(), make_sandbox()
+    launcher.stop(dying, timeout=2)
+    states = launcher.states()
+    assert states[alive["id"]].status == "running"
+    assert states[dying["id"]].status in ("stopped", "missing")

@@ -162,6 +162,7 @@ def test_exec_on_another_node_goes_through_its_queue(celery_worker, local_node, 
     entry, chunks = svc.sandbox_file_read(sandbox=sb, path="/tmp/r.bin")
     assert b"".join(chunks) == b"\x00\xffdata" and entry.size == 6
     assert [e.name for e in svc.sandbox_file_list(sandbox=sb, path="/tmp")] == ["r.bin"]
+    assert svc.sandbox_stats(sandbox=sb)["memory_limit_bytes"] == 256 * 1024 * 1024
 
 
 @requires_runsc
