@@ -119,7 +119,7 @@ def cmd_up(args: argparse.Namespace) -> int:
                         "dashboard.asgi:application"]),
             ("worker", [py, "-m", "celery", "-A", "dashboard", "worker", "-Q", f"control,{node.queue}",
                         "-n", f"{node.name}@%h", "--pool", "threads", "--concurrency", str(args.concurrency),
-                        "--loglevel", "INFO", "--without-gossip", "--without-mingle"]),
+                        "--loglevel", args.log_level, "--without-gossip", "--without-mingle"]),
             ("beat", [py, "-m", "celery", "-A", "dashboard", "beat", "--loglevel", "WARNING",
                       "-s", str(data_dir / "celerybeat-schedule")]),
         ]  # fmt: skip
@@ -272,6 +272,10 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--port", type=int, default=int(os.environ.get("HANGAR_PORT", "8000")))
     up.add_argument("--host", default=os.environ.get("HANGAR_HOST", "127.0.0.1"))
     up.add_argument("--concurrency", type=int, default=32, help="worker threads (default 32)")
+    up.add_argument(
+        "--log-level", default=os.environ.get("HANGAR_LOG_LEVEL", "WARNING"),
+        help="the worker's log level (INFO logs every task, heartbeats included)",
+    )  # fmt: skip
     up.set_defaults(fn=cmd_up)
 
     node = sub.add_parser(

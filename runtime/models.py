@@ -8,6 +8,7 @@ import string
 from django.conf import settings
 from django.db import models
 from django.db.models import Q
+from django.utils import timezone
 
 _ID_ALPHABET = string.ascii_lowercase + string.digits
 
@@ -166,7 +167,7 @@ class Exec(models.Model):
     stderr_bytes = models.BigIntegerField(default=0)
     error = models.TextField(blank=True)
     created_by = models.ForeignKey(settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL)
-    started_at = models.DateTimeField(auto_now_add=True)
+    started_at = models.DateTimeField(default=timezone.now)
     finished_at = models.DateTimeField(null=True, blank=True)
     duration_ms = models.FloatField(null=True, blank=True)
 

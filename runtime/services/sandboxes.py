@@ -422,8 +422,9 @@ def sandbox_exec(
         raise InvalidValue(f"timeout_s must be between 1 and {max_timeout}, got {timeout_s:g}")
     if cwd is not None:
         cwd = _check_path(cwd)
-    row = Exec.objects.create(
-        sandbox=sandbox, argv=argv, cwd=cwd or "",
+    # One row per exec, written once it has ended (one write on the hot path, not two).
+    row = Exec(
+        sandbox=sandbox, argv=argv, cwd=cwd or "", started_at=timezone.now(),
         created_by=user if user is not None and user.is_authenticated else None,
     )  # fmt: skip
     max_output = settings.HANGAR_EXEC_MAX_OUTPUT_BYTES
@@ -445,21 +446,20 @@ def sandbox_exec(
             )  # fmt: skip
     except FileOpError as exc:
         # The agent could not start the command (no such binary, missing cwd): a client error.
-        Exec.objects.filter(id=row.id).update(error=str(exc), finished_at=timezone.now())
+        row.error, row.finished_at = str(exc), timezone.now()
+        row.save()
         raise InvalidValue(f"could not run {argv[0]!r}: {exc.message} ({exc.errno_name})") from exc
     except LauncherError as exc:
-        Exec.objects.filter(id=row.id).update(error=str(exc), finished_at=timezone.now())
+        row.error, row.finished_at = str(exc), timezone.now()
+        row.save()
         raise _runtime_failure(sandbox, exc) from exc
     keep = settings.HANGAR_EXEC_KEEP_OUTPUT_BYTES
     row.exit_code, row.timed_out = result.exit_code, result.timed_out
-    row.stdout, row.stderr = (
-        _decode_for_storage(result.stdout, keep),
-        _decode_for_storage(result.stderr, keep),
-    )
+    row.stdout = _decode_for_storage(result.stdout, keep)
+    row.stderr = _decode_for_storage(result.stderr, keep)
     row.stdout_bytes, row.stderr_bytes = len(result.stdout), len(result.stderr)
     row.finished_at, row.duration_ms = timezone.now(), result.duration_ms
-    row.save(update_fields=["exit_code", "timed_out", "stdout", "stderr", "stdout_bytes", "stderr_bytes",
-                            "finished_at", "duration_ms"])  # fmt: skip
+    row.save()
     return ExecOutcome(exec=row, result=result)
 
 
