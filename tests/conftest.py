@@ -151,30 +151,26 @@ def _destroy_all_sandboxes() -> None:
         launcher.destroy_id(sandbox_id)
 
 
-@pytest.fixture
-def team_token(transactional_db):
+def _member_token(username: str, team_name: str) -> str:
     from django.contrib.auth import get_user_model
 
     from runtime.models import Membership, Team
     from runtime.services.auth import token_create
 
-    user = get_user_model().objects.create_user(username="alice", password="pw")
-    team = Team.objects.create(name="alpha")
+    user = get_user_model().objects.create_user(username=username, password="pw")
+    team = Team.objects.create(name=team_name)
     Membership.objects.create(user=user, team=team, role=Membership.Role.OWNER)
     return token_create(user=user, team=team).raw
 
 
 @pytest.fixture
-def other_team_token(transactional_db):
-    from django.contrib.auth import get_user_model
+def team_token(transactional_db) -> str:
+    return _member_token("alice", "alpha")
 
-    from runtime.models import Membership, Team
-    from runtime.services.auth import token_create
 
-    user = get_user_model().objects.create_user(username="mallory", password="pw")
-    team = Team.objects.create(name="beta")
-    Membership.objects.create(user=user, team=team, role=Membership.Role.OWNER)
-    return token_create(user=user, team=team).raw
+@pytest.fixture
+def other_team_token(transactional_db) -> str:
+    return _member_token("mallory", "beta")
 
 
 @pytest.fixture
