@@ -215,7 +215,8 @@ def cmd_node(args: argparse.Namespace) -> int:
     node = Node.objects.get(name=local_node_name())
     _say(f"hangar: node {node.name} consuming {node.queue}")
     argv = [sys.executable, "-m", "celery", "-A", "dashboard", "worker", "-Q", node.queue, "-n", f"{node.name}@%h",
-            "--pool", "threads", "--concurrency", str(args.concurrency), "--without-gossip", "--without-mingle"]  # fmt: skip
+            "--pool", "threads", "--concurrency", str(args.concurrency), "--loglevel", args.log_level,
+            "--without-gossip", "--without-mingle"]  # fmt: skip
     return subprocess.call(argv)
 
 
@@ -304,6 +305,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     node.add_argument("--concurrency", type=int, default=32)
     node.add_argument("--migrate", action="store_true", help="apply database migrations first")
+    node.add_argument("--log-level", default=os.environ.get("HANGAR_LOG_LEVEL", "WARNING"))
     node.set_defaults(fn=cmd_node)
 
     token = sub.add_parser("token", help="API tokens")
