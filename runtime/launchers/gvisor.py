@@ -16,6 +16,7 @@ runsc is started in its own session, so stopping Hangar's processes never stops 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import fcntl
 import json
 import os
@@ -224,20 +225,13 @@ class GVisorLauncher(Launcher):
             if not _is_mounted(d / "run"):
                 # The sandbox can write into this bind mount: a tiny tmpfs keeps it from filling
                 # the host's disk through it.
-                _run(
-                    [
-                        "mount",
-                        "-t",
-                        "tmpfs",
-                        "-o",
-                        "size=1m,mode=0700,nosuid,nodev,noexec",
-                        "tmpfs",
-                        str(d / "run"),
-                    ]
-                )
+                _mount("tmpfs", d / "run", "size=1m,mode=0700", MS_NOSUID | MS_NODEV | MS_NOEXEC)
             if not _is_mounted(d / "rootfs"):
-                opts = f"lowerdir={spec.rootfs},upperdir={d / 'upper'},workdir={d / 'work'}"
-                _run(["mount", "-t", "overlay", "overlay", "-o", opts, str(d / "rootfs")])
+                _mount(
+                    "overlay",
+                    d / "rootfs",
+                    f"lowerdir={spec.rootfs},upperdir={d / 'upper'},workdir={d / 'work'}",
+                )
             (d / "bundle" / "config.json").write_text(json.dumps(self._oci_spec(spec, d)))
             (d / "handle.json").write_text(json.dumps(handle))
             if self._has_runtime_state(spec.id):
@@ -436,15 +430,27 @@ class GVisorLauncher(Launcher):
         return [FileEntry(e.name, e.path, e.type, e.size, e.mode, e.mtime) for e in entries]
 
 
+MS_NOSUID, MS_NODEV, MS_NOEXEC = 2, 4, 8
+MNT_DETACH = 2
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+def _mount(fstype: str, target: Path, data: str, flags: int = 0) -> None:
+    # The syscall directly: a `mount` process per sandbox costs milliseconds on the create path.
+    if _libc.mount(fstype.encode(), str(target).encode(), fstype.encode(), flags, data.encode()) != 0:
+        err = ctypes.get_errno()
+        raise LauncherError(f"mounting {fstype} on {target} failed: {os.strerror(err)}")
+
+
 def _unmount(path: Path) -> None:
     for _ in range(50):
         if not _is_mounted(path):
             return
         # The gofer may hold the mount for a moment after the sandbox dies.
-        if _run(["umount", str(path)], check=False).returncode != 0:
+        if _libc.umount2(str(path).encode(), 0) != 0:
             time.sleep(0.05)
     if _is_mounted(path):
-        _run(["umount", "-l", str(path)], check=False)
+        _libc.umount2(str(path).encode(), MNT_DETACH)
 
 
 def _cgroup_roots() -> list[Path]:
