@@ -424,6 +424,113 @@ def test_concurrent_exec_threads_with_stdin(client: AgentClient) -> None:
     assert all(results[i] == payloads[i] for i in range(8))
 
 
+def test_commands_start_with_default_signal_state(client: AgentClient) -> None:
+    # The agent blocks SIGPIPE and handles SIGTERM; none of that may reach a command.
+    status = client.exec(["sh", "-c", "grep -E '^Sig(Blk|Ign):' /proc/self/status"]).stdout.decode()
+    fields = dict(line.split(":\t") for line in status.splitlines())
+    assert int(fields["SigBlk"], 16) == 0
+    assert not int(fields["SigIgn"], 16) & (1 << (signal.SIGPIPE - 1))
+    r = client.exec(["sh", "-c", "(yes; echo $? >&2) | head -n 1 >/dev/null"])
+    assert r.stderr == b"141\n"  # `yes` died of SIGPIPE, as in any shell
+
+
+# -- spares (handlers forked ahead of time) --------------------------------------------------
+
+
+def children(pid: int) -> set[int]:
+    out = set()
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if int((entry / "stat").read_text().rsplit(") ", 1)[1].split()[1]) == pid:
+                    out.add(int(entry.name))
+            except (OSError, IndexError, ValueError):
+                pass
+    return out
+
+
+def wait_for_children(pid: int, count: int, within: float = 5.0) -> set[int]:
+    deadline = time.monotonic() + within
+    while True:
+        kids = children(pid)
+        if len(kids) == count or time.monotonic() > deadline:
+            return kids
+        time.sleep(0.02)
+
+
+def open_files(pid: int) -> set[str]:
+    """What pid's fds point to, e.g. 'pipe:[123]'; the fds themselves do not matter."""
+    out = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        try:
+            out.add(os.readlink(fd))
+        except OSError:
+            pass
+    return out
+
+
+def test_spares_wait_ready_and_hold_nothing_of_the_main_process(agent_bin: Path, tmp_path: Path) -> None:
+    own = start_agent(agent_bin, tmp_path)
+    try:
+        main_files = open_files(own.proc.pid)
+        main_pipes = {f for f in main_files if f.startswith("pipe:")}
+        listener = {f for f in main_files if f.startswith("socket:")}
+        assert len(listener) == 1
+        spares = wait_for_children(own.proc.pid, 2)
+        assert len(spares) == 2
+        for pid in spares:
+            # Once set up (just after fork it still has everything), a spare shares only the
+            # notification pipe with the main process: never its self-pipe.
+            deadline = time.monotonic() + 5
+            while len(shared := open_files(pid) & main_pipes) > 1 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert len(shared) <= 1, shared
+        with own.client.open_process(["sleep", "30"], stdin=False) as proc:
+            handler = int(Path(f"/proc/{proc.pid}/stat").read_text().rsplit(") ", 1)[1].split()[1])
+            assert handler in spares
+            held = open_files(handler)
+            assert not held & main_pipes, held & main_pipes
+            assert not held & listener  # a handler no longer accepts connections
+            assert own.client.ping()["version"] == "1"  # the other spare serves meanwhile
+    finally:
+        stop_agent(own)
+
+
+def test_a_spare_that_dies_is_replaced(agent_bin: Path, tmp_path: Path) -> None:
+    own = start_agent(agent_bin, tmp_path)
+    try:
+        spares = wait_for_children(own.proc.pid, 2)
+        assert len(spares) == 2
+        for pid in spares:
+            os.kill(pid, signal.SIGKILL)
+        assert own.client.exec(["echo", "still here"]).stdout == b"still here\n"
+        assert len(wait_for_children(own.proc.pid, 2)) == 2
+        assert not children(own.proc.pid) & spares
+        assert b"ended while waiting" in own.log.read_bytes()
+    finally:
+        stop_agent(own)
+
+
+def test_a_burst_of_connections_while_spares_are_busy(agent_bin: Path, tmp_path: Path) -> None:
+    own = start_agent(agent_bin, tmp_path)
+    try:
+        # Both spares (and more) busy with long commands: new connections still get served.
+        long = [own.client.open_process(["sleep", "30"], stdin=False) for _ in range(3)]
+        with ThreadPoolExecutor(30) as pool:
+            out = list(pool.map(lambda i: own.client.exec(["echo", str(i)]).stdout, range(30)))
+        assert out == [f"{i}\n".encode() for i in range(30)]
+        for proc in long:
+            proc.close()
+        # Connections that hang up unheard do not cost a spare for good.
+        for _ in range(10):
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+                s.connect(str(own.socket))
+        assert own.client.exec(["true"]).exit_code == 0
+        assert len(wait_for_children(own.proc.pid, 2)) == 2
+    finally:
+        stop_agent(own)
+
+
 # -- files ---------------------------------------------------------------------------------
 
 

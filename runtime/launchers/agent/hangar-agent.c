@@ -5,13 +5,18 @@
  * directly (gVisor's --host-uds=create on a bind-mounted directory), so an exec or a file
  * operation costs one connection instead of one `runsc exec` process.
  *
- * Process model. The main process only accepts connections and reaps children: as PID 1 it
- * inherits every orphan in the sandbox, and it must never block on anything else. Each
+ * Process model. The main process only keeps handlers available and reaps children: as PID 1
+ * it inherits every orphan in the sandbox, and it must never block on anything else. Each
  * connection is served by a forked handler that runs exactly one request and exits, so a
- * slow client, a bad request or a crash costs one connection only. A handler starts its
- * command the way posix_spawn does (see struct spawn) and waits for it with waitpid(pid);
- * the main process can never steal that child, because a process only ever reaps its own
- * children.
+ * slow client, a bad request or a crash costs one connection only. Handlers are forked ahead
+ * of time ("spares", waiting in accept() themselves), because in gVisor a fork costs more
+ * than the rest of a request; see the main process section. A handler starts its command the
+ * way posix_spawn does (see struct spawn) and waits for it with waitpid(pid); the main
+ * process can never steal that child, because a process only ever reaps its own children.
+ *
+ * Cost model. Inside gVisor (ptrace platform) every system call traps to the sentry and costs
+ * tens of microseconds, a fork milliseconds; a request's path is therefore kept short in
+ * syscalls, and whatever can be prepared before a connection arrives is.
  *
  * Wire format (both directions): frames of 1 byte type, 4 bytes big-endian payload length,
  * payload (at most MAX_PAYLOAD). The first client frame is the request; its payload and all
@@ -34,9 +39,11 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/ioctl.h>
+#include <sys/mman.h>
 #include <sys/prctl.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
+#include <sys/syscall.h>
 #include <sys/types.h>
 #include <sys/un.h>
 #include <sys/wait.h>
@@ -79,7 +86,26 @@ static volatile sig_atomic_t g_cmd_pgid;
 static volatile sig_atomic_t g_tmp_live;
 static char g_tmp_path[PATH_MAX];
 
-/* Main only: live handler pids, so a non-init agent can stop them on SIGTERM. */
+/* Set in every handler and spare (see on_signal), and once it has a connection to serve. */
+static volatile sig_atomic_t g_is_handler, g_serving;
+
+/* Handler only: the big buffers of a request. The main process allocates them once and
+ * never touches them, so every handler inherits them with fork() at no cost, instead of
+ * mapping them anew for each request. See handler_prepare. */
+static struct {
+    char *req; /* the request frame, MAX_PAYLOAD + 1 */
+    char *rx;  /* exec: the client frame being read; write: data frames (MAX_PAYLOAD + 1) */
+    char *in;  /* exec: stdin the command has yet to take; read: file chunks (MAX_PAYLOAD + 1) */
+    char *tx;  /* exec: the output frame being sent (HEADER_LEN + OUTPUT_CHUNK) */
+} g_buf;
+static int g_devnull = -1; /* stdin of commands that get none; -1 if /dev/null is missing */
+
+/* The agent never changes directory, so when it runs in / (as PID 1 does), commands whose cwd
+ * is / need no chdir. */
+static int g_cwd_is_root;
+
+/* Main only: live handler pids (spares included), so a non-init agent can stop them on
+ * SIGTERM. */
 static pid_t *g_handlers;
 static size_t g_nhandlers, g_handlers_cap;
 
@@ -144,24 +170,15 @@ static const char *errno_name(int err)
 
 /* ---- signals --------------------------------------------------------------------------- */
 
-static void on_signal(int sig)
+/* SIGTERM or SIGINT in a handler (or spare). A handler of a non-init agent being stopped
+ * takes the command down with it, since nothing else knows its process group. Under PID 1 a
+ * handler with a connection stays: PID 1's kill(-1, SIGTERM) reaches the command directly,
+ * the handler reports its exit, and SIGKILL ends the handler if the command outlasts the
+ * grace period. An idle spare just goes. Only async-signal-safe calls here. */
+static void on_handler_term(void)
 {
-    int saved = errno;
-    if (sig == SIGTERM || sig == SIGINT)
-        g_got_term = 1;
-    if (g_sigpipe[1] >= 0) {
-        char c = (char)sig;
-        ssize_t r = write(g_sigpipe[1], &c, 1); /* a full pipe already means "wake up" */
-        (void)r;
-    }
-    errno = saved;
-}
-
-/* A handler of a non-init agent being stopped: take the command down with it, since nothing
- * else knows its process group. Only async-signal-safe calls here. */
-static void on_handler_term(int sig)
-{
-    (void)sig;
+    if (g_is_init && g_serving)
+        return;
     pid_t pgid = g_cmd_pgid;
     if (pgid > 0) {
         kill(-pgid, SIGKILL);
@@ -170,6 +187,25 @@ static void on_handler_term(int sig)
     if (g_tmp_live)
         unlink(g_tmp_path);
     _exit(128 + SIGTERM);
+}
+
+/* The one handler for SIGCHLD, SIGTERM and SIGINT, in the main process and in handlers alike:
+ * a forked handler then needs no sigaction() calls of its own, only g_is_handler set (while
+ * signals are still blocked from the fork). */
+static void on_signal(int sig)
+{
+    int saved = errno;
+    if (sig == SIGTERM || sig == SIGINT) {
+        if (g_is_handler)
+            on_handler_term();
+        g_got_term = 1;
+    }
+    if (g_sigpipe[1] >= 0) {
+        char c = (char)sig;
+        ssize_t r = write(g_sigpipe[1], &c, 1); /* a full pipe already means "wake up" */
+        (void)r;
+    }
+    errno = saved;
 }
 
 static void set_handler(int sig, void (*fn)(int))
@@ -187,11 +223,15 @@ static int make_sigpipe(void)
     return pipe2(g_sigpipe, O_CLOEXEC | O_NONBLOCK);
 }
 
+/* Empties a non-blocking self-pipe. A short read means it is empty: what is written later
+ * wakes poll() again, so there is no need to pay for a read that says EAGAIN. */
 static void drain_fd(int fd)
 {
     char buf[256];
-    while (read(fd, buf, sizeof buf) > 0) {
-    }
+    ssize_t n;
+    do
+        n = read(fd, buf, sizeof buf);
+    while (n == (ssize_t)sizeof buf || (n < 0 && errno == EINTR));
 }
 
 /* Blocks the signals whose handlers touch shared state, around fork() and clone(), so the
@@ -246,24 +286,24 @@ static int write_all(int fd, const void *buf, size_t len)
     return 0;
 }
 
-/* 1: got len bytes; 0: clean EOF before the first byte; -1: error, timeout or short read. */
+/* 1: got len bytes; 0: clean EOF before the first byte; -1: error, timeout or short read.
+ * fd must be non-blocking (the deadline holds only then): it is read first and polled only
+ * when nothing is there yet, which saves a poll() per read when the data has arrived. */
 static int read_full(int fd, void *buf, size_t len, int64_t deadline)
 {
     size_t got = 0;
     while (got < len) {
-        if (deadline >= 0 && wait_fd(fd, POLLIN, deadline) != 1)
-            return -1;
         ssize_t n = read(fd, (char *)buf + got, len - got);
-        if (n < 0) {
-            if (errno == EINTR)
-                continue;
-            if ((errno == EAGAIN || errno == EWOULDBLOCK) && wait_fd(fd, POLLIN, deadline) == 1)
-                continue;
-            return -1;
+        if (n > 0) {
+            got += (size_t)n;
+            continue;
         }
         if (n == 0)
             return got == 0 ? 0 : -1;
-        got += (size_t)n;
+        if (errno == EINTR)
+            continue;
+        if ((errno != EAGAIN && errno != EWOULDBLOCK) || wait_fd(fd, POLLIN, deadline) != 1)
+            return -1;
     }
     return 1;
 }
@@ -276,11 +316,45 @@ static void close_fds(const int *fds, size_t n)
             close(fds[i]);
 }
 
-static void set_nonblock(int fd)
+/* Closes fds a..b, all ours: one close_range() where the kernel has it, rather than a
+ * close() each. */
+static void close_span(int a, int b)
 {
-    int flags = fcntl(fd, F_GETFL);
-    if (flags >= 0)
-        fcntl(fd, F_SETFL, flags | O_NONBLOCK);
+#ifdef SYS_close_range
+    if (syscall(SYS_close_range, (unsigned)a, (unsigned)b, 0u) == 0)
+        return;
+#endif
+    for (int fd = a; fd <= b; fd++)
+        close(fd);
+}
+
+/* Closes n (at most 8) distinct open fds. main() creates the ones every handler drops with
+ * consecutive numbers, so this is usually a single syscall (each costs ~0.1 ms in gVisor). */
+static void close_set(const int *fds, size_t n)
+{
+    int v[8];
+    if (n == 0 || n > 8) {
+        close_fds(fds, n);
+        return;
+    }
+    for (size_t i = 0; i < n; i++) { /* insertion sort: n is tiny */
+        int x = fds[i];
+        size_t j = i;
+        for (; j > 0 && v[j - 1] > x; j--)
+            v[j] = v[j - 1];
+        v[j] = x;
+    }
+    if (v[0] >= 0 && v[n - 1] - v[0] == (int)n - 1)
+        close_span(v[0], v[n - 1]);
+    else
+        close_fds(fds, n);
+}
+
+/* Only for a pipe or pty end we just created: its other status flags are known to be clear
+ * (F_SETFL ignores the access mode), so there is no need to F_GETFL them first. */
+static void set_nonblock_fresh(int fd)
+{
+    fcntl(fd, F_SETFL, O_NONBLOCK);
 }
 
 /* ---- frames and fields ----------------------------------------------------------------- */
@@ -451,6 +525,14 @@ static int out_frame(char type, const void *payload, size_t len)
             g_out.failed = 1;
     }
     return g_out.failed ? -1 : 0;
+}
+
+/* One of g_buf's buffers, allocated now if handler_prepare could not. NULL: out of memory. */
+static char *handler_buf(char **slot, size_t size)
+{
+    if (!*slot)
+        *slot = malloc(size);
+    return *slot;
 }
 
 static void reply_fields(char type, const struct fields *f)
@@ -767,7 +849,7 @@ static void op_read(const struct request *r)
     field_add(&f, "type", "file");
     reply_fields('T', &f);
 
-    char *buf = malloc(FILE_CHUNK);
+    char *buf = handler_buf(&g_buf.in, MAX_PAYLOAD + 1); /* FILE_CHUNK fits */
     if (!buf) {
         reply_errno(ENOMEM, path);
         close(fd);
@@ -791,7 +873,6 @@ static void op_read(const struct request *r)
     }
     reply_ok();
 out:
-    free(buf);
     close(fd);
 }
 
@@ -866,7 +947,7 @@ static void op_write(const struct request *r)
         }
     }
 
-    char *buf = malloc(MAX_PAYLOAD + 1);
+    char *buf = handler_buf(&g_buf.rx, MAX_PAYLOAD + 1);
     if (!buf) {
         reply_errno(ENOMEM, path);
         goto fail;
@@ -878,23 +959,22 @@ static void op_write(const struct request *r)
         int rc = read_frame(g_out.fd, &type, buf, &len, -1);
         if (rc == FRAME_TOO_BIG) {
             reply_error(EMSGSIZE, "frame larger than %u bytes", MAX_PAYLOAD);
-            goto fail_buf;
+            goto fail;
         }
         if (rc != FRAME_OK)
-            goto fail_buf; /* client gone before 'C': leave the target untouched */
+            goto fail; /* client gone before 'C': leave the target untouched */
         if (type == 'C')
             break;
         if (type != 'D') {
             reply_error(EINVAL, "unexpected frame '%c' in a write", type);
-            goto fail_buf;
+            goto fail;
         }
         if (write_all(fd, buf, len) < 0) {
             reply_errno(errno, path);
-            goto fail_buf;
+            goto fail;
         }
         written += len;
     }
-    free(buf);
     if (close(fd) < 0) { /* NFS and friends report deferred write errors here */
         fd = -1;
         reply_errno(errno, path);
@@ -913,8 +993,6 @@ static void op_write(const struct request *r)
     reply_fields('K', &f);
     return;
 
-fail_buf:
-    free(buf);
 fail:
     if (fd >= 0)
         close(fd);
@@ -976,13 +1054,19 @@ static char **merge_env(const struct request *r)
 /* The command is started the way posix_spawn does it: clone(CLONE_VM | CLONE_VFORK) runs the
  * child on its own stack in our address space until it execs, which spares copying the
  * handler's address space (costly in gVisor) for a process that is about to replace it. The
- * child must therefore not allocate, and leaves everything it needs prepared here. */
+ * child must therefore not allocate, and leaves everything it needs prepared here.
+ *
+ * CLONE_VFORK also suspends us until the child has exec'd or exited, so a child that cannot
+ * exec leaves the reason in `fail`, in our shared memory, for us to find once clone()
+ * returns (as glibc's posix_spawn does): no report pipe to create, read and close. */
 struct spawn {
     char **argv;
     char **envp;
     char **sh_argv; /* argc + 2 slots, for exec_with_sh */
     const char *cwd;
-    int in_fd, out_fd, err_fd, tty_fd, report_fd;
+    int chdir_needed; /* 0 when cwd is where the agent already is */
+    int in_fd, out_fd, err_fd, tty_fd;
+    struct exec_failure fail; /* stage 0: the child exec'd (or was killed first) */
 };
 
 /* A file that execve rejects with ENOEXEC is a script without #!: run it with /bin/sh,
@@ -1066,46 +1150,46 @@ static void exec_search(const struct spawn *sp)
     errno = result;
 }
 
-static void child_fail(int report_fd, int stage, int err)
+static void child_fail(struct spawn *sp, int stage, int err)
 {
-    struct exec_failure fail = {stage, err};
-    ssize_t r = write(report_fd, &fail, sizeof fail);
-    (void)r;
+    sp->fail.stage = stage;
+    sp->fail.err = err;
     _exit(127);
 }
 
 /* In the cloned child: become the command. Never returns. */
 static int spawn_child(void *arg)
 {
-    const struct spawn *sp = arg;
+    struct spawn *sp = arg;
     int in_fd = sp->in_fd, out_fd = sp->out_fd, err_fd = sp->err_fd, tty_fd = sp->tty_fd;
-    int report_fd = sp->report_fd;
 
-    /* Undo what the agent changed; an ignored SIGPIPE in particular would survive exec
-     * and break `cmd | head`. Without CLONE_SIGHAND these are the child's own copies. */
-    set_handler(SIGCHLD, SIG_DFL);
+    /* Undo what the agent changed. Without CLONE_SIGHAND these are the child's own copies.
+     * Signals with a handler are reset by execve anyway; SIGTERM and SIGINT are reset here
+     * so that one arriving before the exec kills the command as it should. SIGCHLD is not:
+     * this child has no children, and its handler would only wake the handler's poll().
+     * SIGPIPE is only blocked in the agent (see main), which the mask below undoes: a
+     * blocked or ignored SIGPIPE would survive exec and break `cmd | head`. */
     set_handler(SIGTERM, SIG_DFL);
     set_handler(SIGINT, SIG_DFL);
-    set_handler(SIGPIPE, SIG_DFL);
     sigset_t none;
     sigemptyset(&none);
     sigprocmask(SIG_SETMASK, &none, NULL);
 
     if (setsid() < 0)
-        child_fail(report_fd, STAGE_SETUP, errno);
+        child_fail(sp, STAGE_SETUP, errno);
     if (tty_fd >= 0) {
         if (ioctl(tty_fd, TIOCSCTTY, 0) < 0)
-            child_fail(report_fd, STAGE_SETUP, errno);
+            child_fail(sp, STAGE_SETUP, errno);
         in_fd = out_fd = err_fd = tty_fd;
     }
     /* All our fds are >= 3 (main() made sure 0-2 are taken), so these cannot clobber each
      * other; dup2 clears close-on-exec on the copies. */
     if (dup2(in_fd, 0) < 0 || dup2(out_fd, 1) < 0 || dup2(err_fd, 2) < 0)
-        child_fail(report_fd, STAGE_SETUP, errno);
-    if (chdir(sp->cwd) < 0)
-        child_fail(report_fd, STAGE_CHDIR, errno);
+        child_fail(sp, STAGE_SETUP, errno);
+    if (sp->chdir_needed && chdir(sp->cwd) < 0)
+        child_fail(sp, STAGE_CHDIR, errno);
     exec_search(sp);
-    child_fail(report_fd, STAGE_EXEC, errno);
+    child_fail(sp, STAGE_EXEC, errno);
     return 127;
 }
 
@@ -1391,12 +1475,16 @@ static int exec_stream(struct exec_io *io, int64_t timeout_ms)
 
         int n = poll(p, (nfds_t)np, timeout);
         if (n < 0) {
-            if (errno == EINTR)
-                continue;
-            logmsg("exec: poll: %s", strerror(errno));
-            goto gone;
+            if (errno != EINTR) {
+                logmsg("exec: poll: %s", strerror(errno));
+                goto gone;
+            }
+            /* A signal handler ran (SIGCHLD, normally) and wrote to the self-pipe: act on it
+             * now rather than in another round of poll(). Nothing is known to be ready. */
+            for (int i = 0; i < np; i++)
+                p[i].revents = 0;
         }
-        if (p[idx[P_SIG]].revents)
+        if (n < 0 || p[idx[P_SIG]].revents)
             drain_fd(g_sigpipe[0]);
         if (!io->exited && child_exited(io->pid)) {
             io->exited = 1;
@@ -1434,6 +1522,8 @@ static int exec_stream(struct exec_io *io, int64_t timeout_ms)
     const char types[2] = {'O', 'R'};
     for (int i = 0; i < 2; i++) {
         size_t total = 0;
+        if (*fds[i] >= 0 && *fds[i] != io->master)
+            set_nonblock_fresh(*fds[i]); /* read until empty: must not block (see op_exec) */
         while (*fds[i] >= 0 && total < FINAL_DRAIN_LIMIT) {
             if (write_all(io->sock, io->tx + io->tx_off, io->tx_len - io->tx_off) < 0)
                 goto gone;
@@ -1522,12 +1612,10 @@ static int start_command(const struct exec_request *x, struct exec_io *io)
 {
     /* The child's ends, closed here once it has them. */
     int c_in = -1, c_out = -1, c_err = -1, c_tty = -1;
-    int report[2] = {-1, -1}, p[2];
+    int in_fd, p[2];
     int err = 0;
     pid_t pid = -1;
 
-    if (pipe2(report, O_CLOEXEC) < 0)
-        goto failed;
     if (x->tty) {
         if (open_pty(&io->master, &c_tty, (unsigned short)x->rows, (unsigned short)x->cols) < 0)
             goto failed;
@@ -1546,7 +1634,7 @@ static int start_command(const struct exec_request *x, struct exec_io *io)
                 goto failed;
             c_in = p[0];
             io->in_fd = p[1];
-        } else if ((c_in = open("/dev/null", O_RDONLY | O_CLOEXEC)) < 0) {
+        } else if (g_devnull < 0) {
             /* No /dev/null in this image: an empty pipe reads as EOF just the same. */
             if (pipe2(p, O_CLOEXEC) < 0)
                 goto failed;
@@ -1554,10 +1642,21 @@ static int start_command(const struct exec_request *x, struct exec_io *io)
             close(p[1]);
         }
     }
+    in_fd = c_in >= 0 ? c_in : g_devnull; /* g_devnull is shared by every exec: never closed */
 
     /* The child runs on this stack until it execs; we are suspended meanwhile. */
     static char spawn_stack[64 << 10] __attribute__((aligned(16)));
-    struct spawn sp = {x->argv, x->envp, x->sh_argv, x->cwd, c_in, c_out, c_err, c_tty, report[1]};
+    struct spawn sp = {
+        .argv = x->argv,
+        .envp = x->envp,
+        .sh_argv = x->sh_argv,
+        .cwd = x->cwd,
+        .chdir_needed = !(g_cwd_is_root && strcmp(x->cwd, "/") == 0),
+        .in_fd = in_fd,
+        .out_fd = c_out,
+        .err_fd = c_err,
+        .tty_fd = c_tty,
+    };
     sigset_t old;
     block_signals(&old);
     pid = clone(spawn_child, spawn_stack + sizeof spawn_stack, CLONE_VM | CLONE_VFORK | SIGCHLD, &sp);
@@ -1570,17 +1669,9 @@ static int start_command(const struct exec_request *x, struct exec_io *io)
         goto failed;
     }
     io->pid = pid;
-    close(report[1]);
-    report[1] = -1;
-
-    /* The report pipe closes on a successful exec; before that, the child writes why not. */
-    struct exec_failure fail;
-    ssize_t got;
-    do
-        got = read(report[0], &fail, sizeof fail);
-    while (got < 0 && errno == EINTR);
-    close_fds((int[]){c_in, c_out, c_err, c_tty, report[0]}, 5);
-    if (got != (ssize_t)sizeof fail)
+    close_fds((int[]){c_in, c_out, c_err, c_tty}, 4);
+    struct exec_failure fail = sp.fail; /* complete: the child has exec'd or exited by now */
+    if (fail.stage == 0)
         return 0;
     int status;
     reap(pid, &status);
@@ -1596,7 +1687,7 @@ static int start_command(const struct exec_request *x, struct exec_io *io)
 
 failed:
     err = errno;
-    close_fds((int[]){c_in, c_out, c_err, c_tty, report[0], report[1]}, 6);
+    close_fds((int[]){c_in, c_out, c_err, c_tty}, 4);
     exec_cleanup(io);
     reply_errno(err, "exec setup");
     return -1;
@@ -1612,9 +1703,9 @@ static void op_exec(const struct request *r)
 
     if (parse_exec(r, &x) < 0)
         return;
-    io.rx_buf = malloc(MAX_PAYLOAD + 1);
-    io.in_buf = malloc(MAX_PAYLOAD + 1);
-    io.tx = malloc(HEADER_LEN + OUTPUT_CHUNK);
+    io.rx_buf = handler_buf(&g_buf.rx, MAX_PAYLOAD + 1);
+    io.in_buf = handler_buf(&g_buf.in, MAX_PAYLOAD + 1);
+    io.tx = handler_buf(&g_buf.tx, HEADER_LEN + OUTPUT_CHUNK);
     if (!io.rx_buf || !io.in_buf || !io.tx) {
         reply_errno(ENOMEM, "exec");
         return;
@@ -1634,11 +1725,13 @@ static void op_exec(const struct request *r)
         return;
     }
 
-    set_nonblock(io.sock);
-    int fds[] = {io.out_fd, io.err_fd, io.in_fd};
-    for (size_t i = 0; i < sizeof fds / sizeof fds[0]; i++)
-        if (fds[i] >= 0)
-            set_nonblock(fds[i]);
+    /* The socket is non-blocking since accept. Stdin (a pipe, or the pty master that is
+     * also the output) must be, as poll() cannot promise room for a whole write. The output
+     * pipes are read only when poll() says they are ready, which a blocking pipe honours
+     * too; exec_stream makes them non-blocking only for its final drain, which reads
+     * without poll(). That saves two syscalls on most execs. */
+    if (io.in_fd >= 0)
+        set_nonblock_fresh(io.in_fd);
 
     if (exec_stream(&io, (int64_t)x.timeout_ms) < 0)
         return;
@@ -1671,21 +1764,46 @@ static void linger_close(int sock)
     shutdown(sock, SHUT_WR);
     int64_t deadline = now_ms() + LINGER_MS;
     char buf[16384];
-    while (wait_fd(sock, POLLIN, deadline) == 1) {
+    /* Read first (the socket is non-blocking): usually the client has hung up already. */
+    for (;;) {
         ssize_t n = read(sock, buf, sizeof buf);
         if (n == 0 || (n < 0 && errno != EINTR && errno != EAGAIN && errno != EWOULDBLOCK))
+            break;
+        if (n < 0 && errno != EINTR && wait_fd(sock, POLLIN, deadline) != 1)
             break;
     }
     close(sock);
 }
 
+/* What every handler needs, made once by the main process for all of them to inherit (see
+ * g_buf). Failures are not fatal: handler_buf retries an allocation in the handler that
+ * needs it, and exec gives a command an empty pipe as stdin instead of /dev/null. */
+static void handler_prepare(void)
+{
+    /* One mmap rather than malloc: malloc would write its chunk headers, and every page the
+     * main process has touched costs each fork() (made copy-on-write) and each handler (a
+     * fault to copy it). Untouched, the buffers are just address space until used. */
+    const size_t big = (MAX_PAYLOAD + 1 + 63) & ~(size_t)63;
+    char *m = mmap(NULL, 3 * big + HEADER_LEN + OUTPUT_CHUNK, PROT_READ | PROT_WRITE,
+                   MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (m != MAP_FAILED) {
+        g_buf.req = m;
+        g_buf.rx = m + big;
+        g_buf.in = m + 2 * big;
+        g_buf.tx = m + 3 * big;
+    }
+    if (g_devnull < 0)
+        g_devnull = open("/dev/null", O_RDONLY | O_CLOEXEC);
+}
+
+/* Serves the one request of a connection; sock must be non-blocking (see read_full). */
 static void serve(int sock)
 {
     g_out.fd = sock;
     g_out.len = 0;
     g_out.failed = 0;
     struct request req = {0};
-    req.buf = malloc(MAX_PAYLOAD + 1);
+    req.buf = handler_buf(&g_buf.req, MAX_PAYLOAD + 1);
     if (!req.buf) {
         close(sock);
         return;
@@ -1733,6 +1851,68 @@ static void serve(int sock)
 
 /* ---- the main process ------------------------------------------------------------------ */
 
+/* Spares. In gVisor (ptrace platform) a fork costs ~3 ms, more than all the rest of a ping,
+ * so handlers are forked ahead of time: the main process keeps SPARES of them waiting on the
+ * listening socket, which several processes may accept on. The one that gets a connection
+ * marks its slot on g_board busy and serves it. Only when it took the last idle spare does
+ * it also wake the main process (a byte on g_notify), which then forks replacements at once;
+ * otherwise the main process finds out when the handler exits. A spare that dies before
+ * getting a connection is replaced when it is reaped, its slot still marked idle.
+ *
+ * When to fork a replacement: at once if no spare is left, otherwise once a handler has
+ * exited (or at the 1 s poll timeout, should handlers keep running). A sandbox is usually
+ * held to one CPU, and a fork running alongside a request slows it by about what the fork
+ * costs; forked after the handler is done, it mostly fills the idle time before the next
+ * request instead, while the other spare stands ready.
+ *
+ * The main process accepts connections itself only while it has no spare (forks failing):
+ * then it forks per connection as before, and can at least tell the client that it cannot
+ * fork. Otherwise a burst of connections waits in the listen backlog for spares; the main
+ * process forks them as fast as it could fork handlers.
+ *
+ * gVisor wakes every spare for each connection; all but one find nothing to accept and wait
+ * again. With two spares that costs little, and it lets a second connection be served while
+ * the first one's replacement is yet to be forked. */
+#define SPARES 2
+/* After a failed fork, or a spare that died waiting, wait this long before forking another:
+ * whatever keeps going wrong must not turn the main process into a fork loop. */
+#define SPARE_RETRY_MS 100
+
+enum { SLOT_EMPTY, SLOT_IDLE, SLOT_BUSY };
+
+/* Shared memory (MAP_SHARED, made before any fork): the state of each spare slot. The main
+ * process sets IDLE before it forks a spare into the slot, and EMPTY if it reaps that spare
+ * still in it; the spare sets BUSY when it has a connection, and never touches the slot
+ * again, so the main process may then fork the next spare into it. */
+static struct board {
+    int slot[SPARES];
+} *g_board;
+
+static pid_t g_spares[SPARES];     /* main only: the last process forked into each slot, or 0 */
+static int g_notify[2] = {-1, -1}; /* last idle spare taken -> main: "fork more now" */
+static int64_t g_spare_retry_at;   /* no spare is forked before this (now_ms); 0: any time */
+static int g_spare_fork_failing;   /* to log a run of failed forks once */
+static int g_spare_slot;           /* in a spare: its slot */
+static sigset_t g_handler_mask;    /* the signal mask handlers run with */
+
+static int slot_state(int slot)
+{
+    return __atomic_load_n(&g_board->slot[slot], __ATOMIC_SEQ_CST);
+}
+
+static void set_slot_state(int slot, int state)
+{
+    __atomic_store_n(&g_board->slot[slot], state, __ATOMIC_SEQ_CST);
+}
+
+static int idle_spares(void)
+{
+    int n = 0;
+    for (int i = 0; i < SPARES; i++)
+        n += slot_state(i) == SLOT_IDLE;
+    return n;
+}
+
 static void track_handler(pid_t pid)
 {
     if (g_nhandlers == g_handlers_cap) {
@@ -1746,7 +1926,7 @@ static void track_handler(pid_t pid)
     g_handlers[g_nhandlers++] = pid;
 }
 
-/* Reaps every exited child: handlers and, as PID 1, every orphan in the sandbox.
+/* Reaps every exited child: handlers, spares and, as PID 1, every orphan in the sandbox.
  * Returns 1 while any child remains. */
 static int reap_children(void)
 {
@@ -1760,6 +1940,18 @@ static int reap_children(void)
                     break;
                 }
             }
+            for (int slot = 0; slot < SPARES; slot++) {
+                if (g_spares[slot] != pid)
+                    continue;
+                /* Still IDLE: it never got a connection (it marks BUSY before anything that
+                 * could fail). Exited, it can no longer change the slot. */
+                if (slot_state(slot) == SLOT_IDLE && !g_got_term) {
+                    logmsg("spare handler %d ended while waiting (status 0x%x)", (int)pid, (unsigned)status);
+                    g_spare_retry_at = now_ms() + SPARE_RETRY_MS;
+                }
+                g_spares[slot] = 0;
+                set_slot_state(slot, SLOT_EMPTY);
+            }
             continue;
         }
         if (pid == 0)
@@ -1770,32 +1962,120 @@ static int reap_children(void)
     }
 }
 
+/* In a new handler or spare, right after fork() with signals still blocked: drop what is
+ * the main process's and make the handler's own self-pipe (on_signal writes to it). The
+ * caller closes listen_fd and g_notify[1] once it no longer needs them. */
+static void become_handler(void)
+{
+    g_is_handler = 1;
+    close_set((int[]){g_sigpipe[0], g_sigpipe[1], g_notify[0]}, 3);
+    g_notify[0] = -1;
+    if (make_sigpipe() < 0)
+        _exit(1);
+    if (!g_is_init) {
+        prctl(PR_SET_PDEATHSIG, SIGTERM);
+        if (getppid() != g_agent_pid)
+            _exit(0); /* the agent died before the line above */
+    }
+}
+
+/* The life of a spare: wait for a connection, serve it. Never returns. Signals stay blocked
+ * except inside ppoll(): an idle spare ends on SIGTERM there, and none can arrive between
+ * accept() and g_serving = 1, which would lose the connection. */
+static void run_spare(int listen_fd)
+{
+    int fd;
+    for (;;) {
+        struct pollfd p = {.fd = listen_fd, .events = POLLIN};
+        int n = ppoll(&p, 1, NULL, &g_handler_mask);
+        if (n < 0 && errno == EINTR)
+            continue;
+        if (n > 0 && (p.revents & POLLIN)) {
+            fd = accept4(listen_fd, NULL, NULL, SOCK_CLOEXEC | SOCK_NONBLOCK);
+            if (fd >= 0)
+                break;
+            /* EAGAIN: another spare (or the main process) was quicker. ECONNABORTED: the
+             * client gave up while queued. */
+            if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR || errno == ECONNABORTED)
+                continue;
+            logmsg("accept: %s", strerror(errno));
+        } else if (n < 0) {
+            logmsg("poll: %s", strerror(errno));
+        }
+        /* EMFILE, ENOBUFS, an error on the socket...: back off instead of spinning */
+        struct timespec pause = {0, 50 * 1000000};
+        ppoll(NULL, 0, &pause, &g_handler_mask);
+    }
+    g_serving = 1;
+    /* Sequentially consistent, so that of two spares taking the last two connections at
+     * once, at least one sees the other busy and wakes the main process. */
+    set_slot_state(g_spare_slot, SLOT_BUSY);
+    if (idle_spares() == 0) {
+        ssize_t w = write(g_notify[1], "", 1); /* should it fail, our exit tells */
+        (void)w;
+    }
+    close_set((int[]){g_notify[1], listen_fd}, 2);
+    sigprocmask(SIG_SETMASK, &g_handler_mask, NULL);
+    serve(fd);
+    _exit(0);
+}
+
+static int start_spare(int listen_fd, int slot)
+{
+    sigset_t old;
+    block_signals(&old);
+    g_spare_slot = slot; /* for the child */
+    set_slot_state(slot, SLOT_IDLE);
+    pid_t pid = fork();
+    if (pid == 0) {
+        become_handler();
+        run_spare(listen_fd);
+    }
+    int err = errno;
+    if (pid > 0) {
+        track_handler(pid);
+        g_spares[slot] = pid;
+    } else {
+        set_slot_state(slot, SLOT_EMPTY);
+    }
+    sigprocmask(SIG_SETMASK, &old, NULL);
+    if (pid < 0) {
+        if (!g_spare_fork_failing)
+            logmsg("fork: %s", strerror(err));
+        g_spare_fork_failing = 1;
+        return -1;
+    }
+    g_spare_fork_failing = 0;
+    return 0;
+}
+
+/* Forks a spare into every slot without an idle one (a busy one's process has become a
+ * plain handler). 0: done; -1: not now (see SPARE_RETRY_MS). */
+static int top_up_spares(int listen_fd)
+{
+    if (g_spare_retry_at && now_ms() < g_spare_retry_at)
+        return -1;
+    g_spare_retry_at = 0;
+    for (int slot = 0; slot < SPARES; slot++) {
+        if (slot_state(slot) != SLOT_IDLE && start_spare(listen_fd, slot) < 0) {
+            g_spare_retry_at = now_ms() + SPARE_RETRY_MS;
+            return -1;
+        }
+    }
+    return 0;
+}
+
+/* A connection the main process accepted itself (no spare): fork a handler for it. */
 static void start_handler(int listen_fd, int fd)
 {
     sigset_t old;
     block_signals(&old);
     pid_t pid = fork();
     if (pid == 0) {
-        close(listen_fd);
-        close(g_sigpipe[0]);
-        close(g_sigpipe[1]);
-        g_sigpipe[0] = g_sigpipe[1] = -1;
-        if (make_sigpipe() < 0)
-            _exit(1);
-        set_handler(SIGCHLD, on_signal);
-        if (g_is_init) {
-            /* PID 1's kill(-1, SIGTERM) reaches the commands directly; the handler stays to
-             * report their exit, and SIGKILL ends it if they outlast the grace period. */
-            set_handler(SIGTERM, SIG_IGN);
-            set_handler(SIGINT, SIG_IGN);
-        } else {
-            set_handler(SIGTERM, on_handler_term);
-            set_handler(SIGINT, on_handler_term);
-            prctl(PR_SET_PDEATHSIG, SIGTERM);
-            if (getppid() != g_agent_pid)
-                _exit(0); /* the agent died before the line above */
-        }
-        sigprocmask(SIG_SETMASK, &old, NULL);
+        close_set((int[]){listen_fd, g_notify[1]}, 2);
+        g_serving = 1;
+        become_handler();
+        sigprocmask(SIG_SETMASK, &g_handler_mask, NULL);
         serve(fd);
         _exit(0);
     }
@@ -1817,7 +2097,7 @@ static void start_handler(int listen_fd, int fd)
 static void accept_all(int listen_fd)
 {
     for (;;) {
-        int fd = accept4(listen_fd, NULL, NULL, SOCK_CLOEXEC);
+        int fd = accept4(listen_fd, NULL, NULL, SOCK_CLOEXEC | SOCK_NONBLOCK);
         if (fd >= 0) {
             start_handler(listen_fd, fd);
             continue;
@@ -1949,11 +2229,28 @@ int main(int argc, char **argv)
 
     g_agent_pid = getpid();
     g_is_init = g_agent_pid == 1;
-    signal(SIGPIPE, SIG_IGN); /* a vanished client is an EPIPE to handle, not a death */
-    if (make_sigpipe() < 0) {
+    char cwd[2];
+    g_cwd_is_root = getcwd(cwd, sizeof cwd) != NULL && strcmp(cwd, "/") == 0;
+    /* A vanished client (or a command that stopped reading stdin) is an EPIPE to handle, not
+     * a death. SIGPIPE is blocked rather than ignored: an ignored signal stays ignored across
+     * exec, so each command would need it reset, while spawn_child resets the mask anyway. */
+    sigset_t pipe_set;
+    sigemptyset(&pipe_set);
+    sigaddset(&pipe_set, SIGPIPE);
+    signal(SIGPIPE, SIG_DFL); /* in case whoever started us ignored it */
+    sigprocmask(SIG_BLOCK, &pipe_set, NULL);
+    /* Non-blocking at both ends: a spare must never wait on the main process. These fds
+     * come first, so that the ones each handler closes have consecutive numbers. */
+    if (make_sigpipe() < 0 || pipe2(g_notify, O_CLOEXEC | O_NONBLOCK) < 0) {
         logmsg("pipe: %s", strerror(errno));
         return 1;
     }
+    g_board = mmap(NULL, sizeof *g_board, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
+    if (g_board == MAP_FAILED) {
+        logmsg("mmap: %s", strerror(errno));
+        return 1;
+    }
+    sigprocmask(SIG_SETMASK, NULL, &g_handler_mask); /* SIGPIPE blocked, as above */
     set_handler(SIGCHLD, on_signal);
     set_handler(SIGTERM, on_signal);
     set_handler(SIGINT, on_signal);
@@ -1961,26 +2258,50 @@ int main(int argc, char **argv)
     int listen_fd = open_listener(socket_path);
     if (listen_fd < 0)
         return 1;
+    handler_prepare();
     static const char ready[] = "hangar-agent ready\n";
     if (write_all(STDERR_FILENO, ready, sizeof ready - 1) < 0) {
         /* stderr may be gone; nothing to do about it */
     }
 
+    int refill = 1; /* see SPARES: when to fork replacements */
     while (!g_got_term) {
-        struct pollfd p[2] = {
-            {.fd = listen_fd, .events = POLLIN},
+        int idle = idle_spares();
+        if (refill || idle == 0) {
+            refill = top_up_spares(listen_fd) < 0;
+            idle = idle_spares();
+        }
+        struct pollfd p[3] = {
             {.fd = g_sigpipe[0], .events = POLLIN},
+            {.fd = g_notify[0], .events = POLLIN},
+            /* Connections are the spares' business while there is one (see SPARES). */
+            {.fd = idle ? -1 : listen_fd, .events = POLLIN},
         };
-        /* The timeout only backs up SIGCHLD: orphans must not pile up as zombies. */
-        int n = poll(p, 2, 1000);
+        /* The timeout only backs up SIGCHLD: orphans must not pile up as zombies. Short of
+         * spares, it is also when to try forking them again. */
+        int timeout = 1000;
+        if (refill && g_spare_retry_at)
+            timeout = ms_until(g_spare_retry_at, now_ms(), 1000);
+        int n = poll(p, 3, timeout);
         if (n < 0 && errno != EINTR) {
             logmsg("poll: %s", strerror(errno));
             poll(NULL, 0, 50);
         }
-        if (n > 0 && p[1].revents)
+        /* EINTR: a handler ran and wrote to the self-pipe; take that byte now rather than in
+         * another round of poll(). */
+        int signalled = n < 0 || (n > 0 && p[0].revents);
+        if (signalled)
             drain_fd(g_sigpipe[0]);
-        reap_children();
-        if (n > 0 && (p[0].revents & POLLIN))
+        if (n > 0 && p[1].revents) {
+            drain_fd(g_notify[0]);
+            refill = 1;
+        }
+        /* Children are reaped on SIGCHLD, and on the timeout should one ever go missing. */
+        if (signalled || n == 0) {
+            reap_children();
+            refill = 1;
+        }
+        if (n > 0 && (p[2].revents & POLLIN))
             accept_all(listen_fd);
     }
     shutdown_agent(listen_fd, socket_path);
