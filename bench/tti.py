@@ -59,6 +59,8 @@ def raw_bundle(work: Path) -> tuple[Path, Path]:
     store = ImageStore(work / "images")
     rootfs = store.build_busybox().rootfs
     bundle = work / "bundle"
+    if (bundle / "config.json").exists():
+        return bundle, work / "runsc-root"
     bundle.mkdir(exist_ok=True)
     subprocess.run(["runsc", "spec"], cwd=bundle, check=True)
     spec = json.loads((bundle / "config.json").read_text())
@@ -170,7 +172,7 @@ def exec_latency(api: httpx.Client, sandbox_id: str, n: int) -> list[float]:
         start = time.perf_counter()
         out = api.post(f"/sandboxes/{sandbox_id}/exec", json={"cmd": ["echo", "ok"]}).json()
         times.append(time.perf_counter() - start)
-        assert out["stdout"] == "ok\n"
+        assert out.get("stdout") == "ok\n", out
     return times
 
 

@@ -262,6 +262,8 @@ def node_reconcile(*, node_name: str) -> dict[str, list[str]]:
     grace = timezone.now() - timedelta(seconds=120)
     for runtime in node.runtimes or ["gvisor"]:
         launcher = launcher_for(runtime)
+        # A row that changed after this snapshot may describe a sandbox the snapshot predates.
+        snapshot_at = timezone.now()
         states = launcher.states()
         rows = {
             r.id: r
@@ -278,6 +280,8 @@ def node_reconcile(*, node_name: str) -> dict[str, list[str]]:
         for row in live.only("id", "status", "updated_at"):
             if row.status == S.STARTING and row.updated_at > grace:
                 continue  # being provisioned right now
+            if row.updated_at >= snapshot_at:
+                continue  # started (or changed) while the snapshot was being taken
             st = states.get(row.id)
             if st is not None and st.status in ("running", "paused"):
                 continue

@@ -181,3 +181,23 @@ def test_exec_history_is_recorded_and_truncated(celery_worker, local_node, team,
     assert row.exit_code == 0 and row.stdout_bytes == 5000 and len(row.stdout) == 100
     assert row.finished_at is not None and row.duration_ms > 0
     assert len(out.result.stdout) == 5000
+
+
+@requires_runsc
+def test_reconcile_does_not_fail_a_sandbox_that_started_during_its_snapshot(
+    celery_worker, local_node, team, monkeypatch
+):
+    launcher = launcher_for("gvisor")
+    before = launcher.states()  # taken before the sandbox exists
+    sb = _create(team)
+    assert sb.status == S.RUNNING
+    monkeypatch.setattr(launcher, "states", lambda: before)
+    real_now = timezone.now
+
+    # The snapshot "was taken" just before the sandbox's row turned running.
+    monkeypatch.setattr(svc.timezone, "now", lambda: sb.updated_at - timedelta(milliseconds=1))
+    report = svc.node_reconcile(node_name=local_node.name)
+    monkeypatch.setattr(svc.timezone, "now", real_now)
+    assert sb.id not in report["failed"]
+    sb.refresh_from_db()
+    assert sb.status == S.RUNNING
