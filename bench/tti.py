@@ -318,6 +318,12 @@ def main() -> int:
         if proc is not None:
             proc.send_signal(signal.SIGINT)
             proc.wait(60)
+            # Whatever a failed run left behind must not outlive the bench's data dir.
+            from runtime.launchers.gvisor import GVisorLauncher
+
+            launcher = GVisorLauncher(state_dir=work / "data" / "runtime" / "gvisor")
+            for sandbox_id in launcher.list():
+                launcher.destroy_id(sandbox_id)
         shutil.rmtree(work, ignore_errors=True)
 
     def row(name: str, s: dict[str, float] | None, unit: float = 1.0, label: str = "s") -> str:
