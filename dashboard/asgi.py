@@ -5,9 +5,12 @@ import os
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "dashboard.settings")
 
 from channels.routing import ProtocolTypeRouter, URLRouter  # noqa: E402
+from django.contrib.staticfiles.handlers import ASGIStaticFilesHandler  # noqa: E402
 from django.core.asgi import get_asgi_application  # noqa: E402
 
-django_app = get_asgi_application()
+# Static files (htmx, CSS, the admin's) come from the app itself: `hangar up` needs no separate
+# web server or collectstatic step. A deployment behind nginx can serve STATIC_ROOT instead.
+django_app = ASGIStaticFilesHandler(get_asgi_application())
 
 from dashboard.routing import websocket_urlpatterns  # noqa: E402
 

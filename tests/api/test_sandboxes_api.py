@@ -185,3 +185,11 @@ def test_list_is_newest_first_and_pages(api):
     assert listed == ids[::-1]
     assert [s["id"] for s in api.get("/sandboxes", params={"limit": 2}).json()] == ids[::-1][:2]
     assert [s["id"] for s in api.get("/sandboxes", params={"limit": 2, "offset": 2}).json()] == ids[:1]
+
+
+def test_static_files_are_served_by_the_app(server):
+    import httpx
+
+    r = httpx.get(f"{server}/static/vendor/htmx/htmx.min.js")
+    assert r.status_code == 200 and b"htmx" in r.content
+    assert httpx.get(f"{server}/static/hangar/hangar.css").status_code == 200
