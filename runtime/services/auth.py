@@ -50,9 +50,13 @@ def token_authenticate(raw: str) -> ApiToken | None:
     """The live token for ``raw``, or None; records last use at most once a minute."""
     if not raw.startswith(TOKEN_PREFIX):
         return None
-    token = ApiToken.objects.select_related("user", "team").filter(token_hash=_hash(raw)).first()
+    try:
+        # get(), not first(): no ORDER BY to build on every authenticated request.
+        token = ApiToken.objects.select_related("user", "team").get(token_hash=_hash(raw))
+    except ApiToken.DoesNotExist:
+        return None
     now = timezone.now()
-    if token is None or token.revoked_at is not None or (token.expires_at and token.expires_at <= now):
+    if token.revoked_at is not None or (token.expires_at and token.expires_at <= now):
         return None
     if not token.user.is_active:
         return None

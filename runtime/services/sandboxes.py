@@ -53,11 +53,11 @@ def sandboxes_for_team(*, team: Team, status: str | None = None) -> QuerySet[San
 
 
 def sandbox_get(*, team: Team, sandbox_id: str) -> Sandbox:
-    sandbox = Sandbox.objects.select_related("node").filter(team=team, id=sandbox_id).first()
-    if sandbox is None:
+    try:
+        return Sandbox.objects.select_related("node").get(team=team, id=sandbox_id)
+    except Sandbox.DoesNotExist:
         # Another team's sandbox is reported exactly like one that does not exist.
-        raise NotFound(f"no sandbox {sandbox_id!r}")
-    return sandbox
+        raise NotFound(f"no sandbox {sandbox_id!r}") from None
 
 
 # -- create -----------------------------------------------------------------------------------
