@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import fcntl
 import json
 import os
 import shutil
@@ -44,6 +43,7 @@ from .base import (
     SandboxSpec,
     Stats,
 )
+from .locks import file_lock
 
 AGENT_PATH = "/.hangar/agent"
 AGENT_RUN_DIR = "/.hangar/run"
@@ -74,18 +74,6 @@ def _is_mounted(path: Path) -> bool:
     target = str(path)
     with open("/proc/self/mountinfo") as f:
         return any(line.split()[4] == target for line in f)
-
-
-@contextlib.contextmanager
-def _locked(lock_path: Path) -> Iterator[None]:
-    """Serialise create/stop/destroy of one sandbox across processes (retried or duplicated tasks)."""
-    lock_path.parent.mkdir(parents=True, exist_ok=True)
-    with open(lock_path, "a") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 class GVisorLauncher(Launcher):
@@ -207,7 +195,7 @@ class GVisorLauncher(Launcher):
         d = self._dir(spec.id)
         if not (spec.rootfs / "bin").exists() and not (spec.rootfs / "usr").exists():
             raise LauncherError(f"image root filesystem {spec.rootfs} is missing or empty")
-        with _locked(self.sandboxes_dir / f".{spec.id}.lock"):
+        with file_lock(self.sandboxes_dir / f".{spec.id}.lock"):
             handle: Handle = {
                 "id": spec.id,
                 "runtime": self.name,
@@ -266,7 +254,7 @@ class GVisorLauncher(Launcher):
 
     def stop(self, handle: Handle, timeout: float = 5.0) -> None:
         sandbox_id = handle["id"]
-        with _locked(self.sandboxes_dir / f".{sandbox_id}.lock"):
+        with file_lock(self.sandboxes_dir / f".{sandbox_id}.lock"):
             if self._runtime_status(sandbox_id) in ("running", "paused", "created"):
                 # The agent is PID 1: SIGTERM makes it forward TERM to everything, then exit.
                 _run(self._runsc("kill", sandbox_id, "TERM"), check=False)
@@ -280,7 +268,7 @@ class GVisorLauncher(Launcher):
         self.destroy_id(handle["id"])
 
     def destroy_id(self, sandbox_id: str) -> None:
-        with _locked(self.sandboxes_dir / f".{sandbox_id}.lock"):
+        with file_lock(self.sandboxes_dir / f".{sandbox_id}.lock"):
             self._destroy_locked(sandbox_id)
         with contextlib.suppress(OSError):
             (self.sandboxes_dir / f".{sandbox_id}.lock").unlink()

@@ -22,7 +22,6 @@ from __future__ import annotations
 import bz2
 import contextlib
 import errno
-import fcntl
 import gzip
 import hashlib
 import io
@@ -47,6 +46,8 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import IO, Any
+
+from .locks import file_lock
 
 Progress = Callable[[str], None] | None
 
@@ -725,12 +726,8 @@ class ImageStore:
     @contextlib.contextmanager
     def _locked(self) -> Iterator[None]:
         self._ensure()
-        fd = os.open(self._lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
+        with file_lock(self._lock_path):
             yield
-        finally:
-            os.close(fd)  # closing drops the lock
 
     def _read_names(self) -> dict[str, str]:
         try:

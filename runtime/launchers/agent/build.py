@@ -8,14 +8,14 @@ sandboxes still running the old one keep theirs.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import hashlib
 import os
 import shutil
 import subprocess
 import tempfile
-from collections.abc import Iterator
 from pathlib import Path
+
+from ..locks import file_lock
 
 AGENT_SOURCE = Path(__file__).with_name("hangar-agent.c")
 AGENT_CFLAGS: tuple[str, ...] = ("-static", "-O2", "-Wall", "-Wextra")
@@ -54,7 +54,7 @@ def agent_binary(cache_dir: str | os.PathLike[str] | None = None) -> Path:
     if _usable(target):
         return target
     cache.mkdir(parents=True, exist_ok=True)
-    with _locked(cache / ".hangar-agent.lock"):
+    with file_lock(cache / ".hangar-agent.lock"):
         if _usable(target):
             return target
         _compile(target)
@@ -63,16 +63,6 @@ def agent_binary(cache_dir: str | os.PathLike[str] | None = None) -> Path:
 
 def _usable(path: Path) -> bool:
     return path.is_file() and os.access(path, os.X_OK)
-
-
-@contextlib.contextmanager
-def _locked(lock_path: Path) -> Iterator[None]:
-    with open(lock_path, "a") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def _compile(target: Path) -> None:
