@@ -1315,21 +1315,33 @@ static void exec_dispatch(struct exec_io *io)
 }
 
 /* Reads and acts on client frames until the socket would block. -1: client gone or broken. */
+/* Reads from a non-blocking fd until buf holds want bytes (*got counts them across calls).
+ * Returns 1 when complete, 0 when the fd has nothing more for now, -1 on EOF or error. */
+static int read_some(int fd, void *buf, size_t want, size_t *got)
+{
+    while (*got < want) {
+        ssize_t n = read(fd, (char *)buf + *got, want - *got);
+        if (n < 0) {
+            if (errno == EINTR)
+                continue;
+            return (errno == EAGAIN || errno == EWOULDBLOCK) ? 0 : -1;
+        }
+        if (n == 0)
+            return -1;
+        *got += (size_t)n;
+    }
+    return 1;
+}
+
 static int exec_rx(struct exec_io *io)
 {
     for (;;) {
         if (io->hdr_got < HEADER_LEN) {
-            ssize_t n = read(io->sock, io->hdr + io->hdr_got, HEADER_LEN - io->hdr_got);
-            if (n < 0) {
-                if (errno == EINTR)
-                    continue;
-                return (errno == EAGAIN || errno == EWOULDBLOCK) ? 0 : -1;
-            }
-            if (n == 0)
-                return -1;
-            io->hdr_got += (size_t)n;
-            if (io->hdr_got < HEADER_LEN)
-                continue;
+            size_t got = io->hdr_got;
+            int rc = read_some(io->sock, io->hdr, HEADER_LEN, &got);
+            io->hdr_got = got;
+            if (rc <= 0)
+                return rc;
             io->rx_len = get_be32(io->hdr + 1);
             io->rx_got = 0;
             if (io->rx_len > MAX_PAYLOAD)
@@ -1337,16 +1349,12 @@ static int exec_rx(struct exec_io *io)
         }
         if (rx_paused(io))
             return 0;
-        while (io->rx_got < io->rx_len) {
-            ssize_t n = read(io->sock, io->rx_buf + io->rx_got, io->rx_len - io->rx_got);
-            if (n < 0) {
-                if (errno == EINTR)
-                    continue;
-                return (errno == EAGAIN || errno == EWOULDBLOCK) ? 0 : -1;
-            }
-            if (n == 0)
-                return -1;
-            io->rx_got += (uint32_t)n;
+        if (io->rx_got < io->rx_len) {
+            size_t got = io->rx_got;
+            int rc = read_some(io->sock, io->rx_buf, io->rx_len, &got);
+            io->rx_got = (uint32_t)got;
+            if (rc <= 0)
+                return rc;
         }
         exec_dispatch(io);
         io->hdr_got = 0;
