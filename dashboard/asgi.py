@@ -13,5 +13,8 @@ from django.core.asgi import get_asgi_application  # noqa: E402
 django_app = ASGIStaticFilesHandler(get_asgi_application())
 
 from dashboard.routing import websocket_urlpatterns  # noqa: E402
+from dashboard.ws_auth import HangarAuthStack  # noqa: E402
 
-application = ProtocolTypeRouter({"http": django_app, "websocket": URLRouter(websocket_urlpatterns)})
+application = ProtocolTypeRouter(
+    {"http": django_app, "websocket": HangarAuthStack(URLRouter(websocket_urlpatterns))}
+)

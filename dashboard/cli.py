@@ -123,6 +123,7 @@ def cmd_up(args: argparse.Namespace) -> int:
                         "--loglevel", args.log_level, "--without-gossip", "--without-mingle"]),
             ("beat", [py, "-m", "celery", "-A", "dashboard", "beat", "--loglevel", "WARNING",
                       "-s", str(data_dir / "celerybeat-schedule")]),
+            ("bridge", [py, "-m", "dashboard.cli", "bridge"]),
         ]  # fmt: skip
         for name, argv in specs:
             # Own process groups: Ctrl-C reaches only this supervisor, which stops them in order.
@@ -214,10 +215,29 @@ def cmd_node(args: argparse.Namespace) -> int:
     _prepare_node(settings, build_default_image=False)
     node = Node.objects.get(name=local_node_name())
     _say(f"hangar: node {node.name} consuming {node.queue}")
-    argv = [sys.executable, "-m", "celery", "-A", "dashboard", "worker", "-Q", node.queue, "-n", f"{node.name}@%h",
-            "--pool", "threads", "--concurrency", str(args.concurrency), "--loglevel", args.log_level,
-            "--without-gossip", "--without-mingle"]  # fmt: skip
-    return subprocess.call(argv)
+    py = sys.executable
+    specs = [
+        ("worker", [py, "-m", "celery", "-A", "dashboard", "worker", "-Q", node.queue, "-n", f"{node.name}@%h",
+                    "--pool", "threads", "--concurrency", str(args.concurrency), "--loglevel", args.log_level,
+                    "--without-gossip", "--without-mingle"]),
+        ("bridge", [py, "-m", "dashboard.cli", "bridge"]),
+    ]  # fmt: skip
+    children: list[tuple[str, subprocess.Popen[bytes]]] = []
+    try:
+        for name, argv in specs:
+            children.append((name, subprocess.Popen(argv, start_new_session=True)))
+        return _supervise(children)
+    finally:
+        _stop_all(children)
+
+
+def cmd_bridge(args: argparse.Namespace) -> int:
+    """This node's stream bridge: live processes and terminals (started by up and node)."""
+    _setup_django()
+    from runtime.bridge import run_bridge
+
+    run_bridge(args.node)
+    return 0
 
 
 def cmd_token_create(args: argparse.Namespace) -> int:
@@ -307,6 +327,12 @@ def build_parser() -> argparse.ArgumentParser:
     node.add_argument("--migrate", action="store_true", help="apply database migrations first")
     node.add_argument("--log-level", default=os.environ.get("HANGAR_LOG_LEVEL", "WARNING"))
     node.set_defaults(fn=cmd_node)
+
+    bridge = sub.add_parser(
+        "bridge", help="run this node's stream bridge alone (hangar up and hangar node start it)"
+    )
+    bridge.add_argument("--node", help="node name (default: HANGAR_NODE_NAME)")
+    bridge.set_defaults(fn=cmd_bridge)
 
     token = sub.add_parser("token", help="API tokens")
     tsub = token.add_subparsers(dest="token_cmd", required=True)

@@ -1,5 +1,12 @@
-"""Websocket routes (terminals and streaming exec arrive with the dashboard issue)."""
+"""Websocket routes: the API's (token or session) and the dashboard pages' (session)."""
 
-from django.urls import URLPattern
+from django.urls import path
 
-websocket_urlpatterns: list[URLPattern] = []
+from . import consumers
+
+websocket_urlpatterns = [
+    path("ws/v1/terminals/<str:terminal_id>", consumers.TerminalConsumer.as_asgi()),
+    path("ws/v1/sandboxes/<str:sandbox_id>/exec", consumers.ExecConsumer.as_asgi()),
+    path("ws/ui/sandboxes", consumers.SandboxesLiveConsumer.as_asgi()),
+    path("ws/ui/sandboxes/<str:sandbox_id>", consumers.SandboxLiveConsumer.as_asgi()),
+]

@@ -159,7 +159,12 @@ DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 
 REDIS_URL = env_str("REDIS_URL", f"unix://{DATA_DIR / 'redis.sock'}?db=0")
 CHANNEL_LAYERS = {
-    "default": {"BACKEND": "channels_redis.core.RedisChannelLayer", "CONFIG": {"hosts": [REDIS_URL]}}
+    "default": {
+        "BACKEND": "channels_redis.core.RedisChannelLayer",
+        # Flow control keeps a follower's backlog to a few messages; the capacity only has to
+        # absorb bursts (a full channel drops messages, and followers re-sync by offset).
+        "CONFIG": {"hosts": [REDIS_URL], "capacity": 1000, "expiry": 60, "prefix": "hangar:ws:"},
+    }
 }
 
 
@@ -214,6 +219,8 @@ HANGAR_SANDBOX_MAX_TIMEOUT_S = env_int("HANGAR_SANDBOX_MAX_TIMEOUT_S", 86400, mi
 HANGAR_EXEC_MAX_TIMEOUT_S = env_int("HANGAR_EXEC_MAX_TIMEOUT_S", 3600, minimum=1)
 HANGAR_EXEC_KEEP_OUTPUT_BYTES = env_int("HANGAR_EXEC_KEEP_OUTPUT_BYTES", 64 * 1024, minimum=0)
 HANGAR_EXEC_MAX_OUTPUT_BYTES = env_int("HANGAR_EXEC_MAX_OUTPUT_BYTES", 64 * 1024 * 1024, minimum=1024)
+HANGAR_PROCESS_OUTPUT_BYTES = env_int("HANGAR_PROCESS_OUTPUT_BYTES", 4 * 1024 * 1024, minimum=64 * 1024)
+HANGAR_TERMINAL_SCROLLBACK_BYTES = env_int("HANGAR_TERMINAL_SCROLLBACK_BYTES", 256 * 1024, minimum=64 * 1024)
 HANGAR_FILE_MAX_BYTES = env_int("HANGAR_FILE_MAX_BYTES", 512 * 1024 * 1024, minimum=1024)
 HANGAR_CREATE_WAIT_S = env_int("HANGAR_CREATE_WAIT_S", 60, minimum=1)
 

@@ -55,9 +55,11 @@ def transition(
         SandboxEvent.objects.create(
             sandbox_id=sandbox_id, kind="status", status_from=row.status, status_to=to, message=reason
         )
-        transaction.on_commit(lambda: notify.sandbox_changed(sandbox_id, to))
+        team_id = row.team_id
+        transaction.on_commit(lambda: notify.sandbox_changed(sandbox_id, to, team_id))
     return True
 
 
 def record_event(sandbox_id: str, kind: str, message: str = "", **data: Any) -> None:
     SandboxEvent.objects.create(sandbox_id=sandbox_id, kind=kind, message=message, data=data)
+    transaction.on_commit(lambda: notify.sandbox_changed(sandbox_id, "event"))

@@ -22,6 +22,10 @@ def new_sandbox_id() -> str:
     return new_id("sb")
 
 
+def new_terminal_id() -> str:
+    return new_id("tm", 12)
+
+
 class Team(models.Model):
     name = models.CharField(max_length=100, unique=True)
     created_at = models.DateTimeField(auto_now_add=True)
@@ -156,7 +160,27 @@ class SandboxEvent(models.Model):
 
 
 class Exec(models.Model):
+    """One command run in a sandbox. ``kind``: ``run`` (to completion in the request),
+    ``stream`` (its output streamed to the caller as it comes), ``background`` (returns at once;
+    reattach to it as a process). Streamed and background ones are live processes of the node's
+    stream bridge while they run."""
+
+    class Kind(models.TextChoices):
+        RUN = "run"
+        STREAM = "stream"
+        BACKGROUND = "background"
+
+    class Status(models.TextChoices):
+        RUNNING = "running"
+        EXITED = "exited"
+        FAILED = "failed"  # could not start, or lost (the message is in ``error``)
+
     sandbox = models.ForeignKey(Sandbox, on_delete=models.CASCADE, related_name="execs")
+    kind = models.CharField(max_length=16, choices=Kind.choices, default=Kind.RUN)
+    status = models.CharField(max_length=16, choices=Status.choices, default=Status.EXITED)
+    pid = models.IntegerField(null=True, blank=True)
+    timeout_s = models.FloatField(null=True, blank=True)
+    signal = models.IntegerField(default=0)
     argv = models.JSONField(default=list)
     cwd = models.CharField(max_length=4096, blank=True)
     exit_code = models.IntegerField(null=True, blank=True)
@@ -173,8 +197,39 @@ class Exec(models.Model):
 
     class Meta:
         ordering = ["-started_at"]
+        indexes = [models.Index(fields=["sandbox", "status"])]
         constraints = [
             models.CheckConstraint(
                 condition=Q(stdout_bytes__gte=0) & Q(stderr_bytes__gte=0), name="exec_bytes_nonneg"
             )
         ]
+
+
+class Terminal(models.Model):
+    """A shell on a PTY inside a sandbox, held by the node's stream bridge; viewers come and go."""
+
+    class Status(models.TextChoices):
+        RUNNING = "running"
+        EXITED = "exited"
+        FAILED = "failed"
+
+    id = models.CharField(primary_key=True, max_length=32, default=new_terminal_id, editable=False)
+    sandbox = models.ForeignKey(Sandbox, on_delete=models.CASCADE, related_name="terminals")
+    name = models.CharField(max_length=64, blank=True)
+    argv = models.JSONField(default=list)
+    cwd = models.CharField(max_length=4096, blank=True)
+    rows = models.IntegerField(default=24)
+    cols = models.IntegerField(default=80)
+    status = models.CharField(max_length=16, choices=Status.choices, default=Status.RUNNING, db_index=True)
+    pid = models.IntegerField(null=True, blank=True)
+    exit_code = models.IntegerField(null=True, blank=True)
+    error = models.TextField(blank=True)
+    created_by = models.ForeignKey(settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL)
+    created_at = models.DateTimeField(auto_now_add=True)
+    ended_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["created_at"]
+
+    def __str__(self) -> str:
+        return self.id

@@ -23,9 +23,23 @@ def _channel(sandbox_id: str) -> str:
     return f"hangar:sandbox:{sandbox_id}"
 
 
-def sandbox_changed(sandbox_id: str, status: str) -> None:
+def team_channel(team_id: int) -> str:
+    return f"hangar:team:{team_id}"
+
+
+def sandbox_channel(sandbox_id: str) -> str:
+    return _channel(sandbox_id)
+
+
+def sandbox_changed(sandbox_id: str, status: str, team_id: int | None = None) -> None:
+    """A sandbox's status changed (or, with status ``event``, it has a new event): wake whoever
+    waits on it, and the live pages of its team (see :mod:`dashboard.live`)."""
     try:
-        redis_client().publish(_channel(sandbox_id), status)
+        pipe = redis_client().pipeline(transaction=False)
+        pipe.publish(_channel(sandbox_id), status)
+        if team_id is not None:
+            pipe.publish(team_channel(team_id), sandbox_id)
+        pipe.execute()
     except redis.RedisError:
         # Waiters fall back to re-reading the row; a lost wake-up costs latency, not correctness.
         log.warning("could not publish status of %s", sandbox_id, exc_info=True)

@@ -34,6 +34,14 @@ def destroy(self, sandbox_id: str) -> None:
         raise self.retry(exc=exc) from exc
 
 
+@shared_task(bind=True, max_retries=5, default_retry_delay=3, acks_late=True)
+def halt(self, sandbox_id: str) -> None:
+    try:
+        sandbox_services.sandbox_halt(sandbox_id=sandbox_id)
+    except Exception as exc:
+        raise self.retry(exc=exc) from exc
+
+
 @shared_task(acks_late=False)
 def node_op(op: str, sandbox_id: str, payload: dict[str, Any]) -> dict[str, Any]:
     return sandbox_services.node_op(op=op, sandbox_id=sandbox_id, payload=payload)
@@ -42,6 +50,7 @@ def node_op(op: str, sandbox_id: str, payload: dict[str, Any]) -> dict[str, Any]
 @shared_task
 def node_heartbeat() -> None:
     node_services.node_heartbeat(name=local_node_name())
+    sandbox_services.sandboxes_stats_collect(node_name=local_node_name())
 
 
 @shared_task

@@ -98,6 +98,23 @@ def celery_worker(service_env) -> Iterator[subprocess.Popen]:
 
 
 @pytest.fixture(scope="session")
+def bridge(service_env) -> Iterator[subprocess.Popen]:
+    """The test node's real stream bridge process (live processes and terminals)."""
+    log_path = Path(tempfile.mkdtemp()) / "bridge.log"
+    log = open(log_path, "wb")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "dashboard.cli", "bridge"],
+        cwd=ROOT, env=service_env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+    )  # fmt: skip
+    wait_until(lambda: b"listening on" in log_path.read_bytes() or proc.poll() is not None, 60, what="bridge")
+    assert proc.poll() is None, log_path.read_text()
+    proc.log_path = log_path  # type: ignore[attr-defined]
+    yield proc
+    _stop(proc)
+    log.close()
+
+
+@pytest.fixture(scope="session")
 def server(service_env) -> Iterator[str]:
     """The real ASGI app served by daphne, as `hangar up` runs it."""
     port = free_port()
@@ -174,7 +191,7 @@ def other_team_token(transactional_db) -> str:
 
 
 @pytest.fixture
-def api(server, celery_worker, local_node, team_token) -> Iterator[httpx.Client]:
+def api(server, celery_worker, bridge, local_node, team_token) -> Iterator[httpx.Client]:
     """An HTTP client for /api/v1 with the team's token, against the real server and worker."""
     with httpx.Client(
         base_url=f"{server}/api/v1", headers={"Authorization": f"Bearer {team_token}"}, timeout=120

@@ -4,14 +4,15 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Iterator
 from datetime import datetime
-from typing import Any
+from typing import Any, Literal
 
 from django.conf import settings
 from django.http import HttpRequest, StreamingHttpResponse
 from ninja import Query, Router, Schema
 from pydantic import Field
 
-from runtime.models import Sandbox, SandboxEvent
+from runtime.errors import InvalidValue
+from runtime.models import Exec, Sandbox, SandboxEvent
 from runtime.services import sandboxes as svc
 
 from .blocking import blocking
@@ -57,7 +58,20 @@ class ExecIn(Schema):
     cwd: str | None = None
     env: dict[str, str] = {}
     stdin: str | None = None
-    timeout_s: float = 60
+    timeout_s: float | None = Field(
+        None, description="kill the command after this long (default 60 s; background: no limit)"
+    )
+    stream: bool = Field(False, description="answer with the output as NDJSON events while it runs")
+    background: bool = Field(False, description="return the process id at once; see /processes")
+    stdin_open: bool = Field(False, description="background: keep stdin open for .../processes/{id}/stdin")
+    encoding: Literal["utf-8", "base64"] = "utf-8"
+
+
+class BackgroundOut(Schema):
+    id: int
+    pid: int | None
+    status: str
+    output: str
 
 
 class ExecOut(Schema):
@@ -153,15 +167,23 @@ async def delete_sandbox(request: HttpRequest, sandbox_id: str):
     return 204, None
 
 
-@router.post("/{sandbox_id}/exec", response=ExecOut)
+@router.post("/{sandbox_id}/exec", response={200: ExecOut, 202: BackgroundOut})
 async def exec_command(request: HttpRequest, sandbox_id: str, payload: ExecIn):
-    """Run a command to completion. A string runs under `/bin/sh -c`; a list is the argv."""
+    """Run a command. A string runs under `/bin/sh -c`; a list is the argv. By default it runs
+    to completion and answers with its output; `stream` answers at once with NDJSON events
+    (`start`, `stdout`/`stderr`, `exit`) as it runs, and hanging up kills it; `background`
+    answers 202 with a process id at once and it runs on (see `/processes/{id}`)."""
+    if payload.stream and payload.background:
+        raise InvalidValue("choose one of stream and background")
+    if payload.stream or payload.background:
+        return await _exec_live(request, sandbox_id, payload)
+    timeout_s = payload.timeout_s if payload.timeout_s is not None else 60
 
     def run() -> ExecOut:
         outcome = svc.sandbox_exec(
             sandbox=_get(request, sandbox_id), cmd=payload.cmd, cwd=payload.cwd, env=payload.env,
             stdin=payload.stdin.encode() if payload.stdin is not None else None,
-            timeout_s=payload.timeout_s, user=request.auth.user,  # type: ignore[attr-defined]
+            timeout_s=timeout_s, user=request.auth.user,  # type: ignore[attr-defined]
         )  # fmt: skip
         r = outcome.result
         return ExecOut(
@@ -171,6 +193,55 @@ async def exec_command(request: HttpRequest, sandbox_id: str, payload: ExecIn):
         )  # fmt: skip
 
     return await blocking(run)()
+
+
+async def _exec_live(request: HttpRequest, sandbox_id: str, payload: ExecIn):
+    from runtime import streams
+    from runtime.services import processes as proc_svc
+
+    from .processes import ndjson_events, ndjson_response
+
+    sandbox = await blocking(lambda: Sandbox.objects.select_related("node").get(pk=_get(request, sandbox_id).pk))()
+    timeout_s = payload.timeout_s if payload.timeout_s is not None else (None if payload.background else 60)
+    row = await proc_svc.process_start(
+        sandbox=sandbox, cmd=payload.cmd, kind=Exec.Kind.BACKGROUND if payload.background else Exec.Kind.STREAM,
+        cwd=payload.cwd, env=payload.env, stdin=payload.stdin.encode() if payload.stdin is not None else None,
+        stdin_open=payload.stdin_open, timeout_s=timeout_s, user=request.auth.user,  # type: ignore[attr-defined]
+    )  # fmt: skip
+    if payload.background:
+        output = f"/api/v1/sandboxes/{sandbox.id}/processes/{row.id}/output"
+        return 202, BackgroundOut(id=row.id, pid=row.pid, status=row.status, output=output)
+    target = proc_svc.FollowTarget(node_name=sandbox.node.name, key=streams.exec_key(row.id), row_id=row.id)  # type: ignore[union-attr]
+    follow = proc_svc.ProcessFollow(target)
+    head = {"type": "start", "id": row.id, "pid": row.pid}
+    return ndjson_response(ndjson_events(follow, encoding=payload.encoding, head=head, kill_on_close=True))
+
+
+class KeepaliveIn(Schema):
+    timeout_s: int = Field(description="seconds from now until the sandbox expires")
+
+
+@router.post("/{sandbox_id}/keepalive", response=SandboxOut)
+async def keepalive(request: HttpRequest, sandbox_id: str, payload: KeepaliveIn):
+    """Push the sandbox's expiry to `timeout_s` seconds from now (within the site's maximum)."""
+
+    def extend() -> Sandbox:
+        sandbox = svc.sandbox_keepalive(sandbox=_get(request, sandbox_id), timeout_s=payload.timeout_s)
+        return Sandbox.objects.select_related("node").get(id=sandbox.id)
+
+    return await blocking(extend)()
+
+
+@router.post("/{sandbox_id}/stop", response=SandboxOut)
+async def stop_sandbox(request: HttpRequest, sandbox_id: str):
+    """Stop every process of the sandbox and release its CPU and memory; the row stays, as
+    `stopped`, with its events and command history (delete it to remove it)."""
+
+    def stop() -> Sandbox:
+        svc.sandbox_stop(sandbox=_get(request, sandbox_id), reason="stopped through the API")
+        return Sandbox.objects.select_related("node").get(id=sandbox_id)
+
+    return await blocking(stop)()
 
 
 class WrittenOut(Schema):

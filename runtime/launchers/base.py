@@ -85,6 +85,57 @@ class ExecResult:
     truncated: bool = False
 
 
+@dataclass
+class ProcessRequest:
+    """A command to start and keep talking to: stdin, resize and signals while it runs."""
+
+    argv: list[str]
+    env: dict[str, str] = field(default_factory=dict)
+    cwd: str | None = None
+    tty: bool = False
+    rows: int = 24
+    cols: int = 80
+    stdin: bool = True
+    timeout: float | None = None
+
+
+@dataclass(frozen=True)
+class ProcessExit:
+    exit_code: int
+    signal: int = 0
+    timed_out: bool = False
+
+
+class Process(abc.ABC):
+    """A live command inside a sandbox, shaped like ``subprocess.Popen`` with pipes.
+
+    ``events()`` blocks; it yields ``("stdout"|"stderr", bytes)`` as output arrives (a TTY
+    gives stdout only) and ends with ``("exit", ProcessExit)``. Not reading it holds the
+    command back once the buffers between are full: that is the flow control. Closing the
+    process kills its whole process group if it still runs."""
+
+    pid: int
+
+    @abc.abstractmethod
+    def events(self) -> Iterator[tuple[str, bytes | ProcessExit]]: ...
+
+    @abc.abstractmethod
+    def send_stdin(self, data: bytes) -> None: ...
+
+    @abc.abstractmethod
+    def close_stdin(self) -> None: ...
+
+    @abc.abstractmethod
+    def resize(self, rows: int, cols: int) -> None: ...
+
+    @abc.abstractmethod
+    def send_signal(self, sig: int) -> None:
+        """Signal the command's process group."""
+
+    @abc.abstractmethod
+    def close(self) -> None: ...
+
+
 @dataclass(frozen=True)
 class FileEntry:
     name: str
@@ -128,6 +179,11 @@ class Launcher(abc.ABC):
         self, handle: Handle, request: ExecRequest, on_output: OutputCallback | None = None
     ) -> ExecResult:
         """Run one command to completion (or timeout), streaming output to ``on_output``."""
+
+    @abc.abstractmethod
+    def open_process(self, handle: Handle, request: ProcessRequest) -> Process:
+        """Start a command and return it live (with or without a TTY). Raises
+        :class:`FileOpError` when it cannot start (no such binary or cwd)."""
 
     @abc.abstractmethod
     def read_file(self, handle: Handle, path: str) -> tuple[FileEntry, Iterator[bytes]]:

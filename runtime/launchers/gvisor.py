@@ -22,7 +22,7 @@ import os
 import shutil
 import subprocess
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +37,9 @@ from .base import (
     Launcher,
     LauncherError,
     OutputCallback,
+    Process,
+    ProcessExit,
+    ProcessRequest,
     RuntimeState,
     SandboxGone,
     SandboxNotRunning,
@@ -358,6 +361,12 @@ class GVisorLauncher(Launcher):
         except OSError:
             return ""
 
+    def _lost(self, handle: Handle) -> LauncherError:
+        """Why a live process's connection to the agent ended without an exit report."""
+        if self.state(handle).status == "running":
+            return LauncherError("the connection to the sandbox's agent was lost")
+        return self._not_running(handle)
+
     def _not_running(self, handle: Handle) -> LauncherError:
         st = self.state(handle)
         if st.status == "missing":
@@ -398,6 +407,14 @@ class GVisorLauncher(Launcher):
             truncated=r.truncated,
         )
 
+    def open_process(self, handle: Handle, request: ProcessRequest) -> Process:
+        with self._agent_call(handle) as client:
+            proc = client.open_process(
+                request.argv, env=request.env or None, cwd=request.cwd, tty=request.tty,
+                rows=request.rows, cols=request.cols, stdin=request.stdin, timeout=request.timeout,
+            )  # fmt: skip
+        return AgentBackedProcess(proc, lambda: self._lost(handle))
+
     def read_file(self, handle: Handle, path: str) -> tuple[FileEntry, Iterator[bytes]]:
         with self._agent_call(handle) as client:
             st, chunks = client.iter_file(path)
@@ -416,6 +433,42 @@ class GVisorLauncher(Launcher):
         with self._agent_call(handle) as client:
             entries = client.list_dir(path)
         return [FileEntry(e.name, e.path, e.type, e.size, e.mode, e.mtime) for e in entries]
+
+
+class AgentBackedProcess(Process):
+    """A :class:`Process` over one open exec connection to the sandbox's agent."""
+
+    def __init__(self, proc: agent_client.AgentProcess, not_running: Callable[[], LauncherError]) -> None:
+        self._proc = proc
+        self._not_running = not_running
+        self.pid = proc.pid
+
+    def events(self) -> Iterator[tuple[str, bytes | ProcessExit]]:
+        try:
+            for kind, data in self._proc.events():
+                if isinstance(data, agent_client.ExitInfo):
+                    yield "exit", ProcessExit(data.code, data.signal, data.timed_out)
+                    return
+                yield kind, data
+        except agent_client.AgentError as exc:
+            raise self._not_running() from exc
+        raise self._not_running()
+
+    def send_stdin(self, data: bytes) -> None:
+        self._proc.send_stdin(data)
+
+    def close_stdin(self) -> None:
+        self._proc.close_stdin()
+
+    def resize(self, rows: int, cols: int) -> None:
+        self._proc.resize(rows, cols)
+
+    def send_signal(self, sig: int) -> None:
+        self._proc.signal(sig)
+
+    def close(self) -> None:
+        self._proc._shutdown()  # wakes a reader blocked in recv() in another thread
+        self._proc.close()
 
 
 MS_NOSUID, MS_NODEV, MS_NOEXEC = 2, 4, 8

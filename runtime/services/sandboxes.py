@@ -16,6 +16,7 @@ from django.db import transaction
 from django.db.models import QuerySet
 from django.utils import timezone
 
+from .. import notify
 from ..errors import Conflict, InvalidValue, NodeUnavailable, NotFound
 from ..launchers.base import (
     ExecRequest,
@@ -233,6 +234,49 @@ def sandbox_delete(*, sandbox: Sandbox, reason: str = "deleted") -> None:
     transaction.on_commit(lambda: _enqueue("destroy", sandbox.id, queue))
 
 
+def sandbox_stop(*, sandbox: Sandbox, reason: str = "stopped") -> None:
+    """Stop the sandbox's processes and free what it holds on its node; the row stays, as
+    ``stopped``, with its events and history. Files outside volumes do not survive."""
+    if sandbox.status in (S.STOPPED, S.STOPPING):
+        return
+    if sandbox.status == S.DELETED:
+        raise Conflict(f"sandbox {sandbox.id} is deleted", status=sandbox.status)
+    moved = transition(sandbox.id, to=S.STOPPING, frm=[S.PENDING, S.STARTING, S.RUNNING, S.FAILED], reason=reason)
+    if not moved:
+        return
+    if sandbox.node_id is None:
+        transition(sandbox.id, to=S.STOPPED, frm=[S.STOPPING], fields={"stopped_at": timezone.now()})
+        return
+    queue = sandbox.node.queue  # type: ignore[union-attr]
+    transaction.on_commit(lambda: _enqueue("halt", sandbox.id, queue))
+
+
+def sandbox_halt(*, sandbox_id: str) -> None:
+    """The node side of :func:`sandbox_stop`."""
+    sandbox = Sandbox.objects.filter(id=sandbox_id).first()
+    if sandbox is None or sandbox.status != S.STOPPING:
+        return
+    launcher_for(sandbox.runtime).destroy_id(sandbox_id)
+    transition(
+        sandbox_id, to=S.STOPPED, frm=[S.STOPPING], fields={"stopped_at": timezone.now(), "handle": {}}
+    )
+
+
+def sandbox_keepalive(*, sandbox: Sandbox, timeout_s: int) -> Sandbox:
+    """Move the sandbox's expiry to ``timeout_s`` seconds from now."""
+    if sandbox.status not in (S.PENDING, S.STARTING, S.RUNNING):
+        raise Conflict(f"sandbox {sandbox.id} is {sandbox.status}; only a live sandbox can be kept alive",
+                       status=sandbox.status)  # fmt: skip
+    limit = settings.HANGAR_SANDBOX_MAX_TIMEOUT_S
+    if not 1 <= timeout_s <= limit:
+        raise InvalidValue(f"timeout_s must be between 1 and {limit}, got {timeout_s}")
+    sandbox.expires_at = timezone.now() + timedelta(seconds=timeout_s)
+    Sandbox.objects.filter(id=sandbox.id).update(expires_at=sandbox.expires_at, updated_at=timezone.now())
+    record_event(sandbox.id, "keepalive", f"expiry extended to {timeout_s} s from now", timeout_s=timeout_s)
+    notify.sandbox_changed(sandbox.id, sandbox.status, sandbox.team_id)
+    return sandbox
+
+
 def sandboxes_reap_expired() -> int:
     """Delete every sandbox past its ``expires_at``."""
     count = 0
@@ -397,18 +441,10 @@ def _decode_for_storage(data: bytes, limit: int) -> str:
     return data[:limit].decode("utf-8", errors="replace")
 
 
-def sandbox_exec(
-    *,
-    sandbox: Sandbox,
-    cmd: str | list[str],
-    cwd: str | None = None,
-    env: dict[str, str] | None = None,
-    stdin: bytes | None = None,
-    timeout_s: float = 60,
-    user: AbstractBaseUser | None = None,
-) -> ExecOutcome:
-    """Run a command to completion in a running sandbox; a string runs under ``/bin/sh -c``."""
-    _require_running(sandbox)
+def exec_validate(
+    *, cmd: str | list[str], env: dict[str, str] | None, cwd: str | None, timeout_s: float | None
+) -> tuple[list[str], dict[str, str], str | None]:
+    """Check a command's parameters; returns (argv, env, cwd). ``timeout_s=None``: no limit."""
     if isinstance(cmd, str):
         if not cmd.strip():
             raise InvalidValue("cmd must not be empty")
@@ -422,10 +458,26 @@ def sandbox_exec(
     env = env or {}
     _validate_env(env)
     max_timeout = settings.HANGAR_EXEC_MAX_TIMEOUT_S
-    if not 0 < timeout_s <= max_timeout:
+    if timeout_s is not None and not 0 < timeout_s <= max_timeout:
         raise InvalidValue(f"timeout_s must be between 1 and {max_timeout}, got {timeout_s:g}")
     if cwd is not None:
         cwd = _check_path(cwd)
+    return argv, env, cwd
+
+
+def sandbox_exec(
+    *,
+    sandbox: Sandbox,
+    cmd: str | list[str],
+    cwd: str | None = None,
+    env: dict[str, str] | None = None,
+    stdin: bytes | None = None,
+    timeout_s: float = 60,
+    user: AbstractBaseUser | None = None,
+) -> ExecOutcome:
+    """Run a command to completion in a running sandbox; a string runs under ``/bin/sh -c``."""
+    _require_running(sandbox)
+    argv, env, cwd = exec_validate(cmd=cmd, env=env, cwd=cwd, timeout_s=timeout_s)
     # One row per exec, written once it has ended (one write on the hot path, not two).
     row = Exec(
         sandbox=sandbox, argv=argv, cwd=cwd or "", started_at=timezone.now(),
@@ -536,3 +588,57 @@ def sandbox_stats(*, sandbox: Sandbox) -> dict[str, Any]:
         return _remote(sandbox, "stats", {}, 30)
 
     return _sandbox_call(sandbox, call)  # type: ignore[no-any-return]
+
+
+# -- usage figures for pages ---------------------------------------------------------------------
+
+STATS_KEY = "hangar:sandbox-stats"
+_last_cpu: dict[str, tuple[float, float]] = {}  # sandbox id -> (monotonic time, cpu seconds)
+
+
+def sandboxes_stats_collect(*, node_name: str) -> int:
+    """Sample CPU and memory of every running sandbox on this node into Redis (one hash), so
+    pages show usage for a thousand rows with one round trip instead of one runtime call each."""
+    import json
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
+    rows = list(
+        Sandbox.objects.filter(node__name=node_name, status=S.RUNNING).values_list("id", "runtime", "handle")
+    )
+
+    def sample(row: tuple[str, str, dict[str, Any]]) -> tuple[str, dict[str, Any]] | None:
+        sandbox_id, runtime, handle = row
+        try:
+            st = launcher_for(runtime).stats(handle)
+        except LauncherError:
+            return None
+        now = time.monotonic()
+        prev = _last_cpu.get(sandbox_id)
+        _last_cpu[sandbox_id] = (now, st.cpu_seconds)
+        cpu_pct = None
+        if prev is not None and now > prev[0]:
+            cpu_pct = max(0.0, (st.cpu_seconds - prev[1]) / (now - prev[0]) * 100.0)
+        return sandbox_id, {"cpu_pct": cpu_pct, "memory_bytes": st.memory_bytes, "at": time.time()}
+
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        samples = [s for s in pool.map(sample, rows) if s is not None]
+    live = {r[0] for r in rows}
+    for gone in set(_last_cpu) - live:
+        del _last_cpu[gone]
+    if samples:
+        notify.redis_client().hset(STATS_KEY, mapping={sid: json.dumps(v) for sid, v in samples})
+    return len(samples)
+
+
+def sandboxes_stats_cached(*, ids: list[str]) -> dict[str, dict[str, Any]]:
+    """The last usage sample of each sandbox (see :func:`sandboxes_stats_collect`)."""
+    import json
+
+    if not ids:
+        return {}
+    try:
+        values = notify.redis_client().hmget(STATS_KEY, ids)
+    except Exception:  # usage figures are decoration; a Redis blip must not break a page
+        return {}
+    return {sid: json.loads(v) for sid, v in zip(ids, values, strict=True) if v}

@@ -1,0 +1,271 @@
+"""/api/v1/sandboxes/{id}/processes and /terminals: live commands and shells.
+
+Streamed output is newline-delimited JSON (``application/x-ndjson``), one event per line:
+``{"type": "start", "id", "pid"}``, ``{"type": "stdout"|"stderr", "data"}``, ``{"type":
+"skipped", "bytes"}`` (output older than the node kept), ``{"type": "exit", "exit_code",
+"signal", "timed_out"[, "error"]}``. ``data`` is UTF-8 text (a character split across chunks is
+kept whole), or base64 with ``encoding=base64``.
+"""
+
+from __future__ import annotations
+
+import base64
+import codecs
+import json
+from collections.abc import AsyncIterator
+from datetime import datetime
+from typing import Any, Literal
+
+from django.http import HttpRequest, StreamingHttpResponse
+from ninja import Query, Router, Schema
+from pydantic import Field
+
+from runtime import streams
+from runtime.errors import InvalidValue
+from runtime.models import Exec, Sandbox, Terminal
+from runtime.services import processes as proc_svc
+from runtime.services import sandboxes as svc
+
+from .blocking import blocking
+
+router = Router(tags=["processes"])
+
+Encoding = Literal["utf-8", "base64"]
+
+
+class ProcessOut(Schema):
+    id: int
+    kind: str
+    status: str
+    pid: int | None
+    argv: list[str]
+    cwd: str
+    exit_code: int | None
+    signal: int
+    timed_out: bool
+    error: str
+    timeout_s: float | None
+    started_at: datetime
+    finished_at: datetime | None
+    duration_ms: float | None
+    stdout_bytes: int
+    stderr_bytes: int
+
+
+class OutputQuery(Schema):
+    offset: int = Field(0, ge=0, description="output offset to start from (0: the start)")
+    live: bool = Field(False, description="only output produced from now on")
+    follow: bool = Field(True, description="keep streaming until the process exits")
+    encoding: Encoding = "utf-8"
+
+
+class StdinIn(Schema):
+    data: str = ""
+    data_b64: str | None = None
+    close: bool = False
+
+
+class SignalIn(Schema):
+    signal: str | int = "TERM"
+
+
+class ProcessFilter(Schema):
+    status: str | None = None
+    limit: int = Field(100, ge=1, le=1000)
+
+
+class TerminalIn(Schema):
+    name: str = ""
+    cmd: str | list[str] | None = None
+    cwd: str | None = None
+    env: dict[str, str] = {}
+    rows: int = 24
+    cols: int = 80
+
+
+class TerminalOut(Schema):
+    id: str
+    sandbox: str
+    name: str
+    status: str
+    pid: int | None
+    rows: int
+    cols: int
+    exit_code: int | None
+    error: str
+    created_at: datetime
+    ended_at: datetime | None
+    websocket: str
+
+    @staticmethod
+    def resolve_sandbox(obj: Terminal) -> str:
+        return obj.sandbox_id
+
+    @staticmethod
+    def resolve_websocket(obj: Terminal) -> str:
+        return f"/ws/v1/terminals/{obj.id}"
+
+
+def _sandbox(request: HttpRequest, sandbox_id: str) -> Sandbox:
+    return svc.sandbox_get(team=request.auth.team, sandbox_id=sandbox_id)  # type: ignore[attr-defined]
+
+
+def _process(request: HttpRequest, sandbox_id: str, process_id: int) -> tuple[Sandbox, Exec]:
+    sandbox = _sandbox(request, sandbox_id)
+    return sandbox, proc_svc.process_get(sandbox=sandbox, process_id=process_id)
+
+
+def _target(sandbox: Sandbox, row: Exec) -> proc_svc.FollowTarget:
+    return proc_svc.FollowTarget(node_name=sandbox.node.name if sandbox.node else "", key=streams.exec_key(row.id),
+                                 row_id=row.id)  # fmt: skip
+
+
+async def ndjson_events(
+    follow: proc_svc.ProcessFollow, *, encoding: str = "utf-8", head: dict[str, Any] | None = None,
+    kill_on_close: bool = False,
+) -> AsyncIterator[bytes]:  # fmt: skip
+    """Encode a follow as NDJSON lines. ``kill_on_close``: a client that hangs up before the
+    exit ends the process (a streamed exec belongs to its request)."""
+    decoders = {s: codecs.getincrementaldecoder("utf-8")(errors="replace") for s in ("stdout", "stderr")}
+    finished = False
+    try:
+        if head is not None:
+            yield _line(head)
+        async for event in follow:
+            if event[0] == "output":
+                stream, data = event[1], event[2]
+                if encoding == "base64":
+                    yield _line({"type": stream, "data": base64.b64encode(data).decode()})
+                else:
+                    text = decoders[stream].decode(data)
+                    if text:
+                        yield _line({"type": stream, "data": text})
+            elif event[0] == "skipped":
+                yield _line({"type": "skipped", "bytes": event[1]})
+            elif event[0] == "exit":
+                finished = True
+                for stream, dec in decoders.items():
+                    if encoding != "base64" and (rest := dec.decode(b"", final=True)):
+                        yield _line({"type": stream, "data": rest})
+                yield _line({"type": "exit", **event[1]})
+    finally:
+        if kill_on_close and not finished:
+            await proc_svc.process_send(node_name=follow.target.node_name, key=follow.target.key, kind=streams.KILL)
+
+
+def _line(obj: dict[str, Any]) -> bytes:
+    return json.dumps(obj, separators=(",", ":")).encode() + b"\n"
+
+
+def ndjson_response(body: AsyncIterator[bytes]) -> StreamingHttpResponse:
+    response = StreamingHttpResponse(body, content_type="application/x-ndjson")
+    response["Cache-Control"] = "no-cache"
+    response["X-Accel-Buffering"] = "no"  # nginx in front must not hold lines back
+    return response
+
+
+@router.get("/{sandbox_id}/processes", response=list[ProcessOut])
+async def list_processes(request: HttpRequest, sandbox_id: str, filters: Query[ProcessFilter]):
+    """Streamed and background commands of the sandbox, newest first (`?status=running`)."""
+
+    def rows() -> list[Exec]:
+        qs = proc_svc.processes_for_sandbox(sandbox=_sandbox(request, sandbox_id), status=filters.status)
+        return list(qs[: filters.limit])
+
+    return await blocking(rows)()
+
+
+@router.get("/{sandbox_id}/processes/{process_id}", response=ProcessOut)
+async def get_process(request: HttpRequest, sandbox_id: str, process_id: int):
+    return (await blocking(_process)(request, sandbox_id, process_id))[1]
+
+
+@router.get("/{sandbox_id}/processes/{process_id}/output")
+async def process_output(request: HttpRequest, sandbox_id: str, process_id: int, q: Query[OutputQuery]):
+    """The process's output as NDJSON: from `offset` (default: the start, as far as the node
+    still holds it; older output comes from what was kept when it ended) or `live`; with
+    `follow` (default) until it exits. Leaving does not stop the process."""
+    sandbox, row = await blocking(_process)(request, sandbox_id, process_id)
+    follow = proc_svc.ProcessFollow(_target(sandbox, row), offset=q.offset, live=q.live, follow=q.follow)
+    return ndjson_response(ndjson_events(follow, encoding=q.encoding))
+
+
+@router.post("/{sandbox_id}/processes/{process_id}/stdin", response={202: None})
+async def process_stdin(request: HttpRequest, sandbox_id: str, process_id: int, payload: StdinIn):
+    """Send input (`data` as text, or `data_b64`); `close` ends its stdin afterwards. Needs a
+    process started with `stdin_open`."""
+    sandbox, row = await blocking(_process)(request, sandbox_id, process_id)
+    _require_live(row)
+    data = payload.data.encode()
+    if payload.data_b64 is not None:
+        try:
+            data = base64.b64decode(payload.data_b64, validate=True)
+        except ValueError:
+            raise InvalidValue("data_b64 is not valid base64") from None
+    target = _target(sandbox, row)
+    if data:
+        await proc_svc.process_send(node_name=target.node_name, key=target.key, kind=streams.INPUT, data=data)
+    if payload.close:
+        await proc_svc.process_send(node_name=target.node_name, key=target.key, kind=streams.EOF)
+    return 202, None
+
+
+@router.post("/{sandbox_id}/processes/{process_id}/signal", response={202: None})
+async def process_signal(request: HttpRequest, sandbox_id: str, process_id: int, payload: SignalIn):
+    """Send a signal (`TERM`, `INT`, `KILL`, `HUP`… or a number) to the process's group."""
+    sandbox, row = await blocking(_process)(request, sandbox_id, process_id)
+    number = proc_svc.signal_number(payload.signal)
+    _require_live(row)
+    target = _target(sandbox, row)
+    await proc_svc.process_send(node_name=target.node_name, key=target.key, kind=streams.SIGNAL, signal=number)
+    return 202, None
+
+
+def _require_live(row: Exec) -> None:
+    from runtime.errors import Conflict
+
+    if row.kind == Exec.Kind.RUN:
+        raise Conflict(f"exec {row.id} ran to completion in its request; it is not a live process")
+    if row.status != Exec.Status.RUNNING:
+        raise Conflict(f"process {row.id} has ended (status {row.status}, exit code {row.exit_code})")
+
+
+@router.post("/{sandbox_id}/terminals", response={201: TerminalOut})
+async def open_terminal(request: HttpRequest, sandbox_id: str, payload: TerminalIn):
+    """Start a shell on a PTY (a login shell: bash when the image has it, else sh). Attach
+    with the websocket at `/ws/v1/terminals/{id}`; it keeps running with no one attached."""
+    sandbox = await blocking(_sandbox)(request, sandbox_id)
+    term = await proc_svc.terminal_open(
+        sandbox=sandbox, name=payload.name, cmd=payload.cmd, cwd=payload.cwd, env=payload.env,
+        rows=payload.rows, cols=payload.cols, user=request.auth.user,  # type: ignore[attr-defined]
+    )  # fmt: skip
+    return 201, term
+
+
+@router.get("/{sandbox_id}/terminals", response=list[TerminalOut])
+async def list_terminals(request: HttpRequest, sandbox_id: str):
+    def rows() -> list[Terminal]:
+        return list(proc_svc.terminals_for_sandbox(sandbox=_sandbox(request, sandbox_id))[:200])
+
+    return await blocking(rows)()
+
+
+@router.delete("/{sandbox_id}/terminals/{terminal_id}", response={204: None})
+async def close_terminal(request: HttpRequest, sandbox_id: str, terminal_id: str):
+    """End the terminal's shell (its process group is killed)."""
+
+    def get() -> Terminal:
+        sandbox = _sandbox(request, sandbox_id)
+        term = proc_svc.terminal_get(team=sandbox.team, terminal_id=terminal_id)
+        if term.sandbox_id != sandbox.id:
+            from runtime.errors import NotFound
+
+            raise NotFound(f"no terminal {terminal_id!r} in sandbox {sandbox.id}")
+        return term
+
+    term = await blocking(get)()
+    if term.status == Terminal.Status.RUNNING and term.sandbox.node is not None:
+        await proc_svc.process_send(
+            node_name=term.sandbox.node.name, key=streams.terminal_key(term.id), kind=streams.KILL
+        )
+    return 204, None

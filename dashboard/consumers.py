@@ -1,0 +1,399 @@
+"""Websocket consumers: terminals, streamed exec, and live dashboard pages.
+
+They authenticate (``dashboard.ws_auth``), check that the caller's team owns what they touch,
+and then only move bytes between the socket and the services: the processes themselves live
+in the node's stream bridge, so a socket closing never ends a terminal.
+
+Terminal protocol (``/ws/v1/terminals/{id}``): binary frames both ways are terminal bytes;
+text frames are small JSON control messages. Client → server: ``{"type": "resize", "rows",
+"cols"}``, ``{"type": "ack", "bytes": n}`` (bytes of binary frames consumed; only with
+``?flow=1``), ``{"type": "ping"}``, ``{"type": "input", "data": "text"}``. Server → client:
+``{"type": "pong"}``, ``{"type": "skipped", "bytes"}``, ``{"type": "exit", "exit_code", …}``
+and then a close. With ``?flow=1`` the shell is held back while the client has more than
+512 KiB unacknowledged (the xterm.js flow-control guide); without it the server counts a frame
+as consumed once it is handed to the socket.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import codecs
+import contextlib
+import json
+import logging
+from collections import deque
+from typing import Any
+from urllib.parse import parse_qs
+
+from channels.db import database_sync_to_async
+from channels.generic.websocket import AsyncWebsocketConsumer
+from django.template.loader import render_to_string
+
+from runtime import streams
+from runtime.errors import ServiceError
+from runtime.models import Exec, Sandbox, Team
+from runtime.services import processes as proc_svc
+from runtime.services import sandboxes as svc
+
+from .live import hub
+from .teams import session_team
+from .ws_auth import same_origin
+
+log = logging.getLogger(__name__)
+
+CLOSE_UNAUTHORIZED = 4401
+CLOSE_NOT_FOUND = 4404
+CLOSE_BAD_REQUEST = 4400
+
+
+def _identity(scope: dict[str, Any]) -> tuple[Any, Team] | None:
+    """(user, team) for a token or a same-origin session; None if neither."""
+    token = scope.get("api_token")
+    if token is not None:
+        return token.user, token.team
+    if scope.get("token_presented"):
+        return None  # a bad token is not rescued by a cookie
+    user = scope.get("user")
+    if user is None or not user.is_authenticated or not same_origin(scope):
+        return None
+    team = session_team(user=user, session=scope.get("session"))
+    return (user, team) if team is not None else None
+
+
+def _query(scope: dict[str, Any]) -> dict[str, str]:
+    return {k: v[0] for k, v in parse_qs(scope.get("query_string", b"").decode("latin-1")).items()}
+
+
+class _Base(AsyncWebsocketConsumer):
+    user: Any
+    team: Team
+
+    async def _authenticate(self) -> bool:
+        who = await database_sync_to_async(_identity)(self.scope)
+        if who is None:
+            await self.close(code=CLOSE_UNAUTHORIZED)
+            return False
+        self.user, self.team = who
+        return True
+
+    async def send_json(self, obj: dict[str, Any]) -> None:
+        await self.send(text_data=json.dumps(obj, separators=(",", ":")))
+
+
+class TerminalConsumer(_Base):
+    """A viewer of one terminal; any number may watch the same one."""
+
+    async def connect(self) -> None:
+        if not await self._authenticate():
+            return
+        terminal_id = self.scope["url_route"]["kwargs"]["terminal_id"]
+        try:
+            term = await database_sync_to_async(proc_svc.terminal_get)(team=self.team, terminal_id=terminal_id)
+        except ServiceError:
+            await self.close(code=CLOSE_NOT_FOUND)
+            return
+        node = term.sandbox.node.name if term.sandbox.node else ""
+        self.target = proc_svc.FollowTarget(node_name=node, key=streams.terminal_key(term.id), row_id=term.id)
+        self.client_flow = _query(self.scope).get("flow") == "1"
+        self.unacked: deque[tuple[int, int]] = deque()  # (frame length, end offset) not yet acked
+        self.follow = proc_svc.ProcessFollow(self.target, offset=0, flow=True, auto_ack=not self.client_flow)
+        await self.accept()
+        self.pump = asyncio.create_task(self._pump())
+
+    async def _pump(self) -> None:
+        try:
+            async for event in self.follow:
+                if event[0] == "output":
+                    if self.client_flow:
+                        self.unacked.append((len(event[2]), event[3]))
+                    await self.send(bytes_data=event[2])
+                elif event[0] == "skipped":
+                    await self.send_json({"type": "skipped", "bytes": event[1]})
+                elif event[0] == "exit":
+                    await self.send_json({"type": "exit", **event[1]})
+                    await self.close(code=1000)
+                    return
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("terminal %s: stream failed", self.target.key)
+            await self.close(code=1011)
+
+    async def receive(self, text_data: str | None = None, bytes_data: bytes | None = None) -> None:
+        if bytes_data is not None:
+            await self._input(bytes_data)
+            return
+        try:
+            msg = json.loads(text_data or "")
+            kind = msg.get("type")
+        except (ValueError, AttributeError):
+            await self.send_json({"type": "error", "message": "text frames must be JSON objects"})
+            return
+        if kind == "ack":
+            await self._ack(int(msg.get("bytes") or 0))
+        elif kind == "resize":
+            rows, cols = int(msg.get("rows") or 0), int(msg.get("cols") or 0)
+            if 1 <= rows <= 1000 and 1 <= cols <= 1000:
+                await self._send(streams.RESIZE, rows=rows, cols=cols)
+        elif kind == "input":
+            await self._input(str(msg.get("data", "")).encode())
+        elif kind == "ping":
+            await self.send_json({"type": "pong"})
+        else:
+            await self.send_json({"type": "error", "message": f"unknown message type {kind!r}"})
+
+    async def _input(self, data: bytes) -> None:
+        if data:
+            await self._send(streams.INPUT, data=data)
+
+    async def _ack(self, nbytes: int) -> None:
+        # The client counts bytes; the bridge wants offsets: walk the frames it has consumed.
+        offset = None
+        while nbytes > 0 and self.unacked:
+            length, end = self.unacked[0]
+            if nbytes >= length:
+                nbytes -= length
+                offset = end
+                self.unacked.popleft()
+            else:
+                self.unacked[0] = (length - nbytes, end)
+                break
+        if offset is not None:
+            await self.follow.ack(offset)
+
+    async def _send(self, kind: str, **fields: Any) -> None:
+        await proc_svc.process_send(node_name=self.target.node_name, key=self.target.key, kind=kind, **fields)
+
+    async def disconnect(self, code: int) -> None:
+        pump = getattr(self, "pump", None)
+        if pump is not None:
+            pump.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await pump
+
+
+class ExecConsumer(_Base):
+    """``/ws/v1/sandboxes/{id}/exec``: run a command (the first text frame is the request, as
+    for ``POST .../exec``, plus ``tty``, ``rows``, ``cols``), or attach to a running process
+    with ``?process=<id>``. Server → client: JSON ``start``, ``stdout``/``stderr`` (``data``
+    text, or base64 with ``"encoding": "base64"``), ``exit``. Client → server: ``{"type":
+    "stdin", "data"}``, ``{"type": "stdin_b64", "data"}``, ``{"type": "eof"}``, ``{"type":
+    "signal", "signal": "INT"}``, ``{"type": "resize", "rows", "cols"}``. A command started on
+    this socket is killed when the socket closes before it ends; an attached one runs on."""
+
+    async def connect(self) -> None:
+        self.pump: asyncio.Task[None] | None = None
+        self.owned = False
+        self.finished = False
+        if not await self._authenticate():
+            return
+        sandbox_id = self.scope["url_route"]["kwargs"]["sandbox_id"]
+        try:
+            self.sandbox = await database_sync_to_async(svc.sandbox_get)(team=self.team, sandbox_id=sandbox_id)
+        except ServiceError:
+            await self.close(code=CLOSE_NOT_FOUND)
+            return
+        query = _query(self.scope)
+        self.encoding = query.get("encoding", "utf-8")
+        await self.accept()
+        if "process" in query:
+            try:
+                row = await database_sync_to_async(proc_svc.process_get)(
+                    sandbox=self.sandbox, process_id=query["process"]
+                )
+            except ServiceError as exc:
+                await self._fail(exc.message)
+                return
+            self._follow(row, offset=int(query.get("offset", "0") or 0))
+            await self.send_json({"type": "start", "id": row.id, "pid": row.pid, "attached": True})
+
+    def _follow(self, row: Exec, offset: int = 0) -> None:
+        node = self.sandbox.node.name if self.sandbox.node else ""
+        self.target = proc_svc.FollowTarget(node_name=node, key=streams.exec_key(row.id), row_id=row.id)
+        self.pump = asyncio.create_task(self._pump(proc_svc.ProcessFollow(self.target, offset=offset)))
+
+    async def _pump(self, follow: proc_svc.ProcessFollow) -> None:
+        decoders = {s: codecs.getincrementaldecoder("utf-8")(errors="replace") for s in ("stdout", "stderr")}
+        try:
+            async for event in follow:
+                if event[0] == "output":
+                    stream, data = event[1], event[2]
+                    if self.encoding == "base64":
+                        await self.send_json({"type": stream, "data": base64.b64encode(data).decode()})
+                    elif text := decoders[stream].decode(data):
+                        await self.send_json({"type": stream, "data": text})
+                elif event[0] == "skipped":
+                    await self.send_json({"type": "skipped", "bytes": event[1]})
+                elif event[0] == "exit":
+                    self.finished = True
+                    await self.send_json({"type": "exit", **event[1]})
+                    await self.close(code=1000)
+                    return
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("exec stream failed")
+            await self.close(code=1011)
+
+    async def _fail(self, message: str) -> None:
+        await self.send_json({"type": "error", "message": message})
+        await self.close(code=CLOSE_BAD_REQUEST)
+
+    async def receive(self, text_data: str | None = None, bytes_data: bytes | None = None) -> None:
+        if bytes_data is not None:
+            if self.pump is not None:
+                await self._send(streams.INPUT, data=bytes_data)
+            return
+        try:
+            msg = json.loads(text_data or "")
+            if not isinstance(msg, dict):
+                raise ValueError
+        except ValueError:
+            await self.send_json({"type": "error", "message": "text frames must be JSON objects"})
+            return
+        if self.pump is None:
+            await self._start(msg)
+            return
+        kind = msg.get("type")
+        try:
+            if kind == "stdin":
+                await self._send(streams.INPUT, data=str(msg.get("data", "")).encode())
+            elif kind == "stdin_b64":
+                await self._send(streams.INPUT, data=base64.b64decode(str(msg.get("data", ""))))
+            elif kind == "eof":
+                await self._send(streams.EOF)
+            elif kind == "signal":
+                await self._send(streams.SIGNAL, signal=proc_svc.signal_number(msg.get("signal", "TERM")))
+            elif kind == "resize":
+                await self._send(streams.RESIZE, rows=int(msg["rows"]), cols=int(msg["cols"]))
+            else:
+                await self.send_json({"type": "error", "message": f"unknown message type {kind!r}"})
+        except (ServiceError, ValueError, KeyError) as exc:
+            await self.send_json({"type": "error", "message": getattr(exc, "message", str(exc))})
+
+    async def _start(self, msg: dict[str, Any]) -> None:
+        cmd = msg.get("cmd")
+        if not isinstance(cmd, str | list):
+            await self._fail("the first message must be the command: {\"cmd\": \"...\"}")
+            return
+        try:
+            stdin = msg.get("stdin")
+            row = await proc_svc.process_start(
+                sandbox=self.sandbox, cmd=cmd, kind=Exec.Kind.STREAM, cwd=msg.get("cwd"),
+                env=msg.get("env") or {}, stdin=stdin.encode() if isinstance(stdin, str) else None,
+                stdin_open=bool(msg.get("stdin_open", True)), tty=bool(msg.get("tty")),
+                rows=int(msg.get("rows") or 24), cols=int(msg.get("cols") or 80),
+                timeout_s=float(msg["timeout_s"]) if msg.get("timeout_s") is not None else None, user=self.user,
+            )  # fmt: skip
+        except ServiceError as exc:
+            await self._fail(exc.message)
+            return
+        except (TypeError, ValueError) as exc:
+            await self._fail(f"bad request: {exc}")
+            return
+        self.owned = True
+        await self.send_json({"type": "start", "id": row.id, "pid": row.pid})
+        self._follow(row)
+
+    async def _send(self, kind: str, **fields: Any) -> None:
+        await proc_svc.process_send(node_name=self.target.node_name, key=self.target.key, kind=kind, **fields)
+
+    async def disconnect(self, code: int) -> None:
+        if self.pump is not None:
+            self.pump.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self.pump
+            if self.owned and not self.finished:
+                await self._send(streams.KILL)
+
+
+# -- live pages (sessions only) ------------------------------------------------------------------
+
+
+class _LivePage(_Base):
+    channel_name_: str
+    queue: asyncio.Queue[str] | None = None
+
+    async def _subscribe(self, channel: str) -> None:
+        self.channel_name_ = channel
+        self.queue = await hub.subscribe(channel)
+        self.pump = asyncio.create_task(self._pump())
+
+    async def _pump(self) -> None:
+        assert self.queue is not None
+        while True:
+            first = await self.queue.get()
+            await asyncio.sleep(0.1)  # a burst of changes becomes one update
+            items = {first}
+            while not self.queue.empty():
+                items.add(self.queue.get_nowait())
+            try:
+                html = await database_sync_to_async(self.render)(items)
+            except Exception:
+                log.exception("live page update failed")
+                continue
+            if html:
+                await self.send(text_data=html)
+
+    def render(self, items: set[str]) -> str:
+        raise NotImplementedError
+
+    async def receive(self, text_data: str | None = None, bytes_data: bytes | None = None) -> None:
+        pass  # the htmx websocket extension sends nothing we need
+
+    async def disconnect(self, code: int) -> None:
+        if self.queue is not None:
+            hub.unsubscribe(self.channel_name_, self.queue)
+            self.pump.cancel()
+
+
+class SandboxesLiveConsumer(_LivePage):
+    """``/ws/ui/sandboxes``: rows of the team's sandboxes list, pushed as they change."""
+
+    async def connect(self) -> None:
+        if self.scope.get("api_token") is not None or not await self._authenticate():
+            if self.scope.get("api_token") is not None:
+                await self.close(code=CLOSE_UNAUTHORIZED)
+            return
+        await self.accept()
+        from runtime.notify import team_channel
+
+        await self._subscribe(team_channel(self.team.id))
+
+    def render(self, items: set[str]) -> str:
+        from .views import sandbox_rows_context
+
+        rows = sandbox_rows_context(team=self.team, ids=sorted(items))
+        return render_to_string("hangar/partials/sandbox_rows_oob.html", {"rows": rows})
+
+
+class SandboxLiveConsumer(_LivePage):
+    """``/ws/ui/sandboxes/{id}``: the detail page's status header and new events."""
+
+    async def connect(self) -> None:
+        if self.scope.get("api_token") is not None or not await self._authenticate():
+            if self.scope.get("api_token") is not None:
+                await self.close(code=CLOSE_UNAUTHORIZED)
+            return
+        sandbox_id = self.scope["url_route"]["kwargs"]["sandbox_id"]
+        try:
+            self.sandbox = await database_sync_to_async(svc.sandbox_get)(team=self.team, sandbox_id=sandbox_id)
+        except ServiceError:
+            await self.close(code=CLOSE_NOT_FOUND)
+            return
+        self.last_event = int(_query(self.scope).get("after", "0") or 0)
+        await self.accept()
+        from runtime.notify import sandbox_channel
+
+        await self._subscribe(sandbox_channel(self.sandbox.id))
+
+    def render(self, items: set[str]) -> str:
+        sandbox = Sandbox.objects.select_related("node").get(id=self.sandbox.id)
+        events = list(sandbox.events.filter(id__gt=self.last_event).order_by("id")[:200])
+        if events:
+            self.last_event = events[-1].id
+        return render_to_string(
+            "hangar/partials/sandbox_live_oob.html", {"sandbox": sandbox, "events": events}
+        )
+

@@ -1,0 +1,77 @@
+"""Live page updates: one Redis subscription per server process, fanned out in memory.
+
+Status changes and new events are published on plain Redis pub/sub channels by
+:mod:`runtime.notify` (``hangar:team:<id>``, ``hangar:sandbox:<id>``): one PUBLISH costs the
+worker a fraction of a millisecond, where a Channels ``group_send`` from sync code would need a
+fresh event loop and Redis connection per transition, on the path of every sandbox create. The
+page consumers here subscribe through :class:`Hub`, which holds a single pattern subscription
+for the whole daphne process and hands each message to the local queues that asked for it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections import defaultdict
+
+import redis.asyncio as aioredis
+from django.conf import settings
+
+log = logging.getLogger(__name__)
+
+
+class Hub:
+    def __init__(self) -> None:
+        self.subscribers: dict[str, set[asyncio.Queue[str]]] = defaultdict(set)
+        self._task: asyncio.Task[None] | None = None
+        self._ready: asyncio.Event | None = None
+
+    async def subscribe(self, channel: str) -> asyncio.Queue[str]:
+        queue: asyncio.Queue[str] = asyncio.Queue(maxsize=1000)
+        self.subscribers[channel].add(queue)
+        await self._ensure_running()
+        return queue
+
+    def unsubscribe(self, channel: str, queue: asyncio.Queue[str]) -> None:
+        subs = self.subscribers.get(channel)
+        if subs is not None:
+            subs.discard(queue)
+            if not subs:
+                del self.subscribers[channel]
+
+    async def _ensure_running(self) -> None:
+        # One subscription per event loop (daphne has one; each test may bring its own).
+        if self._task is None or self._task.done() or self._task.get_loop() is not asyncio.get_running_loop():
+            self._ready = asyncio.Event()
+            self._task = asyncio.create_task(self._run(self._ready))
+        assert self._ready is not None
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._ready.wait(), 5)
+
+    async def _run(self, ready: asyncio.Event) -> None:
+        while True:
+            client = aioredis.Redis.from_url(settings.REDIS_URL)
+            try:
+                pubsub = client.pubsub(ignore_subscribe_messages=True)
+                await pubsub.psubscribe("hangar:team:*", "hangar:sandbox:*")
+                ready.set()
+                async for message in pubsub.listen():
+                    if message.get("type") != "pmessage":
+                        continue
+                    channel = message["channel"].decode()
+                    data = message["data"].decode() if isinstance(message["data"], bytes) else str(message["data"])
+                    for queue in list(self.subscribers.get(channel, ())):
+                        with contextlib.suppress(asyncio.QueueFull):
+                            queue.put_nowait(data)
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.warning("live updates: Redis subscription lost; reconnecting", exc_info=True)
+                await asyncio.sleep(1)
+            finally:
+                with contextlib.suppress(Exception):
+                    await client.aclose()
+
+
+hub = Hub()

@@ -1,0 +1,371 @@
+"""The node's stream bridge: owns the live processes of the sandboxes on this node.
+
+Streamed and background execs and terminals outlive any one client: a browser tab closes, a
+script reconnects, several viewers watch one terminal. So they are not held by the websocket
+consumer or the HTTP request that started them but by this long-running asyncio process, one
+per node (``hangar bridge``, started by ``hangar up`` and ``hangar node``). It listens on the
+Channels layer at :func:`runtime.streams.bridge_channel`, holds each process's connection to
+the sandbox's agent, keeps recent output in a ring, publishes every chunk to the process's
+group, and writes the outcome to the process's row when it ends.
+
+Flow control (the xterm.js guide's watermarks, server side). Viewers that acknowledge what
+they consumed (``flow``) hold the process back: while the slowest of them is more than
+``HIGH`` bytes behind, the bridge stops reading from the agent, the agent stops reading the
+PTY, and the command blocks in write(). Reading resumes below ``LOW``. A viewer that stops
+acknowledging for ``STALE_S`` stops counting, so one frozen tab cannot stall the others.
+Input (keystrokes, Ctrl-C) travels separately and is never held back.
+
+What does not survive: the bridge's connections are the processes' lifelines (the agent kills
+a command whose connection closes), so restarting the bridge ends the live processes of its
+node. On start it marks what it no longer holds as ended, saying why.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from django.conf import settings
+
+from . import streams
+from .launchers.base import FileOpError, LauncherError, Process, ProcessExit, ProcessRequest
+from .node import launcher_for
+
+log = logging.getLogger("hangar.bridge")
+
+HIGH = 512 * 1024
+LOW = 128 * 1024
+STALE_S = 15.0
+REPLAY_MESSAGE_BYTES = 256 * 1024
+KEEP_ENDED_S = 600.0
+HOUSEKEEPING_S = 1.0
+
+
+@dataclass
+class Viewer:
+    flow: bool
+    acked: int
+    last_ack: float = field(default_factory=time.monotonic)
+
+
+@dataclass
+class LiveProcess:
+    key: str
+    sandbox_id: str
+    kind: str  # exec | terminal
+    process: Process
+    ring: streams.OutputRing
+    started: float = field(default_factory=time.monotonic)
+    viewers: dict[str, Viewer] = field(default_factory=dict)
+    may_read: threading.Event = field(default_factory=threading.Event)
+    outbox: asyncio.Queue[tuple[str | None, dict[str, Any]]] = field(default_factory=asyncio.Queue)
+    stdin: asyncio.Queue[tuple[str, Any]] = field(default_factory=asyncio.Queue)
+    exit: dict[str, Any] | None = None
+    ended_at: float | None = None
+    tasks: list[asyncio.Task[None]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.may_read.set()
+
+
+class Bridge:
+    def __init__(self, node_name: str, layer: Any) -> None:
+        self.node_name = node_name
+        self.channel = streams.bridge_channel(node_name)
+        self.layer = layer
+        self.procs: dict[str, LiveProcess] = {}
+        self.loop: asyncio.AbstractEventLoop | None = None
+
+    # -- running ---------------------------------------------------------------------------
+
+    async def run(self, ready: asyncio.Event | None = None) -> None:
+        self.loop = asyncio.get_running_loop()
+        await asyncio.to_thread(_mark_lost_on_start, self.node_name)
+        housekeeping = asyncio.create_task(self._housekeeping())
+        log.info("bridge for node %s listening on %s", self.node_name, self.channel)
+        if ready is not None:
+            ready.set()
+        try:
+            while True:
+                msg = await self.layer.receive(self.channel)
+                try:
+                    await self.dispatch(msg)
+                except Exception:  # one bad message must not take the node's streams down
+                    log.exception("bridge: failed to handle %s", msg.get("type"))
+        finally:
+            housekeeping.cancel()
+            for lp in list(self.procs.values()):
+                with contextlib.suppress(Exception):
+                    lp.process.close()
+
+    async def dispatch(self, msg: dict[str, Any]) -> None:
+        kind = msg.get("type")
+        if kind == streams.START:
+            await self._start(msg)
+            return
+        lp = self.procs.get(msg.get("key", ""))
+        if kind == streams.ATTACH:
+            if lp is None:
+                await self.layer.send(msg["reply"], {"type": streams.UNKNOWN, "key": msg.get("key")})
+            else:
+                self._attach(lp, msg)
+            return
+        if lp is None:
+            return
+        if kind == streams.ACK:
+            viewer = lp.viewers.get(msg["reply"])
+            if viewer is not None and msg["offset"] > viewer.acked:
+                viewer.acked = msg["offset"]
+                viewer.last_ack = time.monotonic()
+                self._update_flow(lp)
+        elif kind == streams.DETACH:
+            lp.viewers.pop(msg["reply"], None)
+            self._update_flow(lp)
+        elif kind in (streams.INPUT, streams.EOF, streams.RESIZE, streams.SIGNAL):
+            if lp.exit is None:
+                lp.stdin.put_nowait((kind, msg))
+        elif kind == streams.KILL:
+            if lp.exit is None:
+                # SIGKILL to its process group through the agent: the exit is then reported as
+                # usual (signal 9), which closing the connection would not do.
+                with contextlib.suppress(OSError, LauncherError):
+                    await asyncio.to_thread(lp.process.send_signal, 9)
+
+    # -- starting ----------------------------------------------------------------------------
+
+    async def _start(self, msg: dict[str, Any]) -> None:
+        key, reply = msg["key"], msg["reply"]
+        if key in self.procs:
+            await self.layer.send(
+                reply, {"type": streams.STARTED, "key": key, "pid": self.procs[key].process.pid}
+            )
+            return
+        req = ProcessRequest(
+            argv=list(msg["argv"]), env=dict(msg.get("env") or {}), cwd=msg.get("cwd") or None,
+            tty=bool(msg.get("tty")), rows=int(msg.get("rows") or 24), cols=int(msg.get("cols") or 80),
+            stdin=True, timeout=msg.get("timeout") or None,
+        )  # fmt: skip
+        try:
+            launcher = launcher_for(msg["runtime"])
+            process = await asyncio.to_thread(launcher.open_process, msg["handle"], req)
+        except FileOpError as exc:
+            await self.layer.send(
+                reply, {"type": streams.FAILED, "key": key, "error": "start", "errno": exc.errno_name,
+                        "message": exc.message},
+            )  # fmt: skip
+            return
+        except (LauncherError, KeyError) as exc:
+            await self.layer.send(
+                reply, {"type": streams.FAILED, "key": key, "error": "runtime", "message": str(exc)}
+            )
+            return
+        ring_bytes = (
+            settings.HANGAR_TERMINAL_SCROLLBACK_BYTES if req.tty else settings.HANGAR_PROCESS_OUTPUT_BYTES
+        )
+        lp = LiveProcess(
+            key=key, sandbox_id=msg["sandbox_id"], kind=msg.get("kind", "exec"), process=process,
+            ring=streams.OutputRing(ring_bytes),
+        )  # fmt: skip
+        self.procs[key] = lp
+        initial = msg.get("stdin_data")
+        if initial:
+            lp.stdin.put_nowait((streams.INPUT, {"data": initial}))
+        if not msg.get("stdin_open"):
+            lp.stdin.put_nowait((streams.EOF, {}))
+        lp.tasks = [
+            asyncio.create_task(self._send_loop(lp)),
+            asyncio.create_task(self._input_loop(lp)),
+        ]
+        threading.Thread(target=self._pump, args=(lp,), name=f"pump-{key}", daemon=True).start()
+        await self.layer.send(reply, {"type": streams.STARTED, "key": key, "pid": process.pid})
+
+    # -- output ------------------------------------------------------------------------------
+
+    def _pump(self, lp: LiveProcess) -> None:
+        """Reader thread: agent -> loop. Waits on ``may_read`` before each read (flow control)."""
+        assert self.loop is not None
+        events = lp.process.events()
+        try:
+            while True:
+                lp.may_read.wait()
+                kind, data = next(events)
+                if isinstance(data, ProcessExit):
+                    info = {"exit_code": data.exit_code, "signal": data.signal, "timed_out": data.timed_out}
+                    self.loop.call_soon_threadsafe(self._ended, lp, info, "")
+                    return
+                self.loop.call_soon_threadsafe(self._output, lp, kind, data)
+        except StopIteration:
+            self.loop.call_soon_threadsafe(self._ended, lp, None, "the process ended without an exit status")
+        except LauncherError as exc:
+            self.loop.call_soon_threadsafe(self._ended, lp, None, str(exc))
+        except Exception as exc:  # the thread must always report an end
+            log.exception("bridge: reader for %s failed", lp.key)
+            self.loop.call_soon_threadsafe(self._ended, lp, None, f"stream failed: {exc}")
+
+    def _output(self, lp: LiveProcess, stream: str, data: bytes) -> None:
+        offset = lp.ring.append(stream, data)
+        lp.outbox.put_nowait(
+            (None, {"type": streams.OUTPUT, "key": lp.key, "offset": offset, "stream": stream, "data": data})
+        )
+        self._update_flow(lp)
+
+    def _ended(self, lp: LiveProcess, info: dict[str, Any] | None, error: str) -> None:
+        if lp.exit is not None:
+            return
+        lp.exit = (
+            info if info is not None else {"exit_code": None, "signal": 0, "timed_out": False, "error": error}
+        )
+        lp.ended_at = time.monotonic()
+        lp.may_read.set()
+        lp.outbox.put_nowait(
+            (None, {"type": streams.EXIT, "key": lp.key, "end": lp.ring.end, "exit": lp.exit})
+        )
+        with contextlib.suppress(Exception):
+            lp.process.close()
+        duration_ms = (lp.ended_at - lp.started) * 1000.0
+        asyncio.ensure_future(asyncio.to_thread(_record_end, lp.key, lp.exit, lp.ring, duration_ms))
+
+    async def _send_loop(self, lp: LiveProcess) -> None:
+        """One sender per process keeps its messages in order: replays and live chunks alike."""
+        group = streams.proc_group(lp.key)
+        while True:
+            channel, msg = await lp.outbox.get()
+            try:
+                if channel is None:
+                    await self.layer.group_send(group, msg)
+                else:
+                    await self.layer.send(channel, msg)
+            except Exception as exc:  # a full channel: the follower sees the gap and re-attaches
+                log.debug("bridge: could not deliver to %s: %s", channel or group, exc)
+
+    def _attach(self, lp: LiveProcess, msg: dict[str, Any]) -> None:
+        reply = msg["reply"]
+        offset = max(0, int(msg.get("offset") or 0))
+        if msg.get("live"):
+            offset = lp.ring.end
+        lp.viewers[reply] = Viewer(flow=bool(msg.get("flow")), acked=max(offset, lp.ring.start))
+        lp.outbox.put_nowait(
+            (reply, {"type": streams.SYNCED, "key": lp.key, "start": max(lp.ring.start, offset),
+                     "end": lp.ring.end, "exit": lp.exit})
+        )  # fmt: skip
+        batch: list[tuple[int, str, bytes]] = []
+        size = 0
+        for chunk in lp.ring.since(offset):
+            batch.append(chunk)
+            size += len(chunk[2])
+            if size >= REPLAY_MESSAGE_BYTES:
+                self._queue_replay(lp, reply, batch)
+                batch, size = [], 0
+        if batch:
+            self._queue_replay(lp, reply, batch)
+        self._update_flow(lp)
+
+    def _queue_replay(self, lp: LiveProcess, reply: str, batch: list[tuple[int, str, bytes]]) -> None:
+        # Consecutive chunks of one stream merge into one message.
+        merged: list[tuple[int, str, bytearray]] = []
+        for off, stream, data in batch:
+            if merged and merged[-1][1] == stream and merged[-1][0] + len(merged[-1][2]) == off:
+                merged[-1][2].extend(data)
+            else:
+                merged.append((off, stream, bytearray(data)))
+        for off, stream, data in merged:
+            lp.outbox.put_nowait(
+                (
+                    reply,
+                    {
+                        "type": streams.OUTPUT,
+                        "key": lp.key,
+                        "offset": off,
+                        "stream": stream,
+                        "data": bytes(data),
+                    },
+                )
+            )
+
+    def _update_flow(self, lp: LiveProcess) -> None:
+        if lp.exit is not None:
+            return
+        now = time.monotonic()
+        counted = [v.acked for v in lp.viewers.values() if v.flow and now - v.last_ack < STALE_S]
+        behind = lp.ring.end - min(counted) if counted else 0
+        if behind > HIGH:
+            lp.may_read.clear()
+        elif behind <= LOW:
+            lp.may_read.set()
+
+    # -- input -------------------------------------------------------------------------------
+
+    async def _input_loop(self, lp: LiveProcess) -> None:
+        """Writes to the agent from a thread, in order, so a command that does not read its
+        stdin never blocks the loop."""
+        while lp.exit is None:
+            kind, msg = await lp.stdin.get()
+            try:
+                if kind == streams.INPUT:
+                    await asyncio.to_thread(lp.process.send_stdin, bytes(msg["data"]))
+                elif kind == streams.EOF:
+                    await asyncio.to_thread(lp.process.close_stdin)
+                elif kind == streams.RESIZE:
+                    await asyncio.to_thread(lp.process.resize, int(msg["rows"]), int(msg["cols"]))
+                elif kind == streams.SIGNAL:
+                    await asyncio.to_thread(lp.process.send_signal, int(msg["signal"]))
+            except (OSError, LauncherError, ValueError, KeyError) as exc:
+                log.debug("bridge: input to %s failed: %s", lp.key, exc)
+
+    # -- housekeeping ------------------------------------------------------------------------
+
+    async def _housekeeping(self) -> None:
+        while True:
+            await asyncio.sleep(HOUSEKEEPING_S)
+            now = time.monotonic()
+            for key, lp in list(self.procs.items()):
+                if lp.exit is None:
+                    self._update_flow(lp)  # a stale viewer stops counting
+                elif lp.ended_at is not None and now - lp.ended_at > KEEP_ENDED_S:
+                    for task in lp.tasks:
+                        task.cancel()
+                    del self.procs[key]
+
+
+# -- rows (run in a thread) -------------------------------------------------------------------
+
+
+def _record_end(key: str, info: dict[str, Any], ring: streams.OutputRing, duration_ms: float) -> None:
+    from django.db import close_old_connections
+
+    from .services.processes import process_record_end
+
+    close_old_connections()
+    try:
+        process_record_end(key=key, info=info, ring=ring, duration_ms=duration_ms)
+    except Exception:
+        log.exception("bridge: could not record the end of %s", key)
+    finally:
+        close_old_connections()
+
+
+def _mark_lost_on_start(node_name: str) -> None:
+    from .services.processes import processes_mark_lost
+
+    n = processes_mark_lost(
+        node_name=node_name,
+        reason="the node's stream bridge restarted, which ends the processes it held",
+    )
+    if n:
+        log.warning("bridge: marked %d process(es) of node %s as lost", n, node_name)
+
+
+def run_bridge(node_name: str | None = None) -> None:
+    """Entry point of ``hangar bridge``: serve this node's live processes until killed."""
+    from channels.layers import get_channel_layer
+
+    from .node import local_node_name
+
+    bridge = Bridge(node_name or local_node_name(), get_channel_layer())
+    with contextlib.suppress(KeyboardInterrupt):
+        asyncio.run(bridge.run())

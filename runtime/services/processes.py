@@ -1,0 +1,418 @@
+"""Live processes: streamed and background execs, and terminals.
+
+They run on the sandbox's node, held by that node's stream bridge (:mod:`runtime.bridge`);
+these services start them, follow their output, and send them input, through the Channels
+layer (:mod:`runtime.streams` describes the wire). The starting and following services are
+async: they are called from async views and websocket consumers, which wait on the layer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal as signal_module
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from django.conf import settings
+from django.contrib.auth.models import AbstractBaseUser
+from django.db.models import QuerySet
+from django.utils import timezone
+
+from .. import streams
+from ..aio import blocking
+from ..errors import Conflict, InvalidValue, NodeUnavailable, NotFound
+from ..models import Exec, Sandbox, Team, Terminal
+from .sandboxes import _require_running, _runtime_failure, exec_validate
+
+START_TIMEOUT_S = 15.0
+# A follower that hears nothing for this long checks the row (did the bridge go away?).
+FOLLOW_IDLE_S = 30.0
+MAX_INLINE_STDIN = 1024 * 1024
+DEFAULT_SHELL = [
+    "/bin/sh", "-c",
+    'if command -v bash >/dev/null 2>&1; then exec bash -l; else exec sh -l; fi',
+]  # fmt: skip
+
+
+def _layer() -> Any:
+    from channels.layers import get_channel_layer
+
+    return get_channel_layer()
+
+
+def _db(fn: Any) -> Any:
+    return blocking(fn)
+
+
+# -- selectors ---------------------------------------------------------------------------------
+
+
+def processes_for_sandbox(*, sandbox: Sandbox, status: str | None = None) -> QuerySet[Exec]:
+    """Streamed and background commands of the sandbox, newest first."""
+    qs = sandbox.execs.filter(kind__in=[Exec.Kind.STREAM, Exec.Kind.BACKGROUND])
+    if status:
+        if status not in Exec.Status.values:
+            raise InvalidValue(f"unknown status {status!r}; one of {', '.join(Exec.Status.values)}")
+        qs = qs.filter(status=status)
+    return qs
+
+
+def process_get(*, sandbox: Sandbox, process_id: int | str) -> Exec:
+    try:
+        pk = int(process_id)
+    except (TypeError, ValueError):
+        raise NotFound(f"no process {process_id!r} in sandbox {sandbox.id}") from None
+    row = sandbox.execs.filter(id=pk).first()
+    if row is None:
+        raise NotFound(f"no process {process_id!r} in sandbox {sandbox.id}")
+    return row
+
+
+def terminals_for_sandbox(*, sandbox: Sandbox) -> QuerySet[Terminal]:
+    return sandbox.terminals.all()
+
+
+def terminal_get(*, team: Team, terminal_id: str) -> Terminal:
+    row = Terminal.objects.select_related("sandbox__node").filter(id=terminal_id, sandbox__team=team).first()
+    if row is None:
+        raise NotFound(f"no terminal {terminal_id!r} in team {team.name}")
+    return row
+
+
+def _node_name(sandbox: Sandbox) -> str:
+    if sandbox.node is None:
+        raise Conflict(f"sandbox {sandbox.id} is not placed on a node", status=sandbox.status)
+    return sandbox.node.name
+
+
+# -- starting ----------------------------------------------------------------------------------
+
+
+async def _bridge_start(sandbox: Sandbox, key: str, fields: dict[str, Any]) -> int:
+    """Ask the sandbox's node to start a live process; returns its pid inside the sandbox."""
+    layer = _layer()
+    reply = await layer.new_channel("hangar.start.")
+    message = {
+        "type": streams.START, "key": key, "reply": reply, "sandbox_id": sandbox.id,
+        "runtime": sandbox.runtime, "handle": sandbox.handle, **fields,
+    }  # fmt: skip
+    node = _node_name(sandbox)
+    await layer.send(streams.bridge_channel(node), message)
+    try:
+        answer = await asyncio.wait_for(layer.receive(reply), START_TIMEOUT_S)
+    except TimeoutError:
+        raise NodeUnavailable(
+            f"the stream bridge of node {node} did not answer within {START_TIMEOUT_S:.0f} s "
+            "(is `hangar up` or `hangar node` running there?)"
+        ) from None
+    if answer["type"] == streams.STARTED:
+        return int(answer["pid"])
+    if answer.get("error") == "start":
+        raise InvalidValue(f"could not run {fields['argv'][0]!r}: {answer['message']} ({answer['errno']})")
+    from ..launchers.base import LauncherError
+
+    exc = _runtime_failure(sandbox, LauncherError(answer.get("message", "the runtime failed")))
+    raise exc
+
+
+async def process_start(
+    *,
+    sandbox: Sandbox,
+    cmd: str | list[str],
+    kind: str = Exec.Kind.BACKGROUND,
+    cwd: str | None = None,
+    env: dict[str, str] | None = None,
+    stdin: bytes | None = None,
+    stdin_open: bool = False,
+    tty: bool = False,
+    rows: int = 24,
+    cols: int = 80,
+    timeout_s: float | None = None,
+    user: AbstractBaseUser | None = None,
+) -> Exec:
+    """Start a command as a live process of the sandbox's node and return its row at once.
+    Without ``timeout_s`` it runs as long as the sandbox does."""
+    _require_running(sandbox)
+    argv, env, cwd = exec_validate(cmd=cmd, env=env, cwd=cwd, timeout_s=timeout_s)
+    if kind not in (Exec.Kind.STREAM, Exec.Kind.BACKGROUND):
+        raise InvalidValue(f"kind must be stream or background, got {kind!r}")
+    if stdin is not None and len(stdin) > MAX_INLINE_STDIN:
+        raise InvalidValue(
+            f"stdin is limited to {MAX_INLINE_STDIN} bytes here; send more through the process's stdin"
+        )
+    _check_size(rows, cols)
+
+    def create() -> Exec:
+        return Exec.objects.create(
+            sandbox=sandbox, kind=kind, status=Exec.Status.RUNNING, argv=argv, cwd=cwd or "",
+            timeout_s=timeout_s, started_at=timezone.now(),
+            created_by=user if user is not None and user.is_authenticated else None,
+        )  # fmt: skip
+
+    row = await _db(create)()
+    fields = {
+        "argv": argv, "env": env, "cwd": cwd, "tty": tty, "rows": rows, "cols": cols, "timeout": timeout_s,
+        "stdin_data": stdin or b"", "stdin_open": stdin_open, "kind": "exec",
+    }  # fmt: skip
+    try:
+        row.pid = await _bridge_start(sandbox, streams.exec_key(row.id), fields)
+    except (InvalidValue, Conflict, NodeUnavailable) as exc:
+        row.status, row.error, row.finished_at = Exec.Status.FAILED, exc.message, timezone.now()
+        await _db(row.save)(update_fields=["status", "error", "finished_at"])
+        raise
+    await _db(Exec.objects.filter(id=row.id, pid__isnull=True).update)(pid=row.pid)
+    return row
+
+
+def _check_size(rows: int, cols: int) -> None:
+    if not (1 <= rows <= 1000 and 1 <= cols <= 1000):
+        raise InvalidValue(f"rows and cols must be between 1 and 1000, got {rows}x{cols}")
+
+
+async def terminal_open(
+    *,
+    sandbox: Sandbox,
+    name: str = "",
+    cmd: str | list[str] | None = None,
+    cwd: str | None = None,
+    env: dict[str, str] | None = None,
+    rows: int = 24,
+    cols: int = 80,
+    user: AbstractBaseUser | None = None,
+) -> Terminal:
+    """Start a shell (or ``cmd``) on a PTY in the sandbox; it lives until it exits or the
+    sandbox stops, whoever is watching."""
+    _require_running(sandbox)
+    argv, env, cwd = exec_validate(cmd=cmd or DEFAULT_SHELL, env=env, cwd=cwd, timeout_s=None)
+    _check_size(rows, cols)
+    if len(name) > 64:
+        raise InvalidValue("name is limited to 64 characters")
+    env = {"TERM": "xterm-256color", "COLORTERM": "truecolor", **env}
+
+    def create() -> Terminal:
+        n = name or f"terminal {sandbox.terminals.count() + 1}"
+        return Terminal.objects.create(
+            sandbox=sandbox, name=n, argv=argv, cwd=cwd or "", rows=rows, cols=cols,
+            created_by=user if user is not None and user.is_authenticated else None,
+        )  # fmt: skip
+
+    row = await _db(create)()
+    fields = {
+        "argv": argv, "env": env, "cwd": cwd, "tty": True, "rows": rows, "cols": cols, "timeout": None,
+        "stdin_data": b"", "stdin_open": True, "kind": "terminal",
+    }  # fmt: skip
+    try:
+        row.pid = await _bridge_start(sandbox, streams.terminal_key(row.id), fields)
+    except (InvalidValue, Conflict, NodeUnavailable) as exc:
+        row.status, row.error, row.ended_at = Terminal.Status.FAILED, exc.message, timezone.now()
+        await _db(row.save)(update_fields=["status", "error", "ended_at"])
+        raise
+    await _db(Terminal.objects.filter(id=row.id).update)(pid=row.pid)
+    return row
+
+
+# -- input -------------------------------------------------------------------------------------
+
+
+async def process_send(*, node_name: str, key: str, kind: str, **fields: Any) -> None:
+    """Input for a live process: ``proc.input`` (data), ``proc.eof``, ``proc.resize`` (rows,
+    cols), ``proc.signal`` (signal), ``proc.kill``, ``proc.ack``/``proc.detach`` (reply)."""
+    await _layer().send(streams.bridge_channel(node_name), {"type": kind, "key": key, **fields})
+
+
+def signal_number(value: str | int) -> int:
+    """``9``, ``"KILL"``, ``"SIGKILL"`` -> 9."""
+    if isinstance(value, int) or (isinstance(value, str) and value.isdigit()):
+        number = int(value)
+        if not 1 <= number <= 64:
+            raise InvalidValue(f"signal must be between 1 and 64, got {number}")
+        return number
+    name = str(value).upper()
+    name = name if name.startswith("SIG") else "SIG" + name
+    try:
+        return int(signal_module.Signals[name])
+    except KeyError:
+        raise InvalidValue(f"unknown signal {value!r}; use a name like TERM or INT, or a number") from None
+
+
+# -- following ---------------------------------------------------------------------------------
+
+
+@dataclass
+class FollowTarget:
+    node_name: str
+    key: str
+    row_id: int | str
+
+
+class ProcessFollow:
+    """The process's output from ``offset`` (or from now, ``live``), in order, then its exit,
+    as an async iterator of ``("output", stream, data, end_offset)``, ``("skipped", n)`` and
+    finally ``("exit", info)``.
+
+    With ``flow`` the process is held back to this follower's pace: with ``auto_ack`` each
+    chunk counts as consumed once the loop asks for the next one; otherwise the caller reports
+    progress with :meth:`ack` (a browser acknowledging what xterm.js has rendered)."""
+
+    def __init__(
+        self, target: FollowTarget, *, offset: int = 0, live: bool = False, flow: bool = True,
+        auto_ack: bool = True, follow: bool = True,
+    ) -> None:  # fmt: skip
+        self.target = target
+        self.offset = max(0, offset)
+        self.live = live
+        self.flow = flow
+        self.auto_ack = auto_ack
+        self.follow = follow  # False: what is there now, then stop (no exit event if still running)
+        self.channel = ""
+        self._layer = _layer()
+
+    async def _send(self, kind: str, **fields: Any) -> None:
+        await process_send(node_name=self.target.node_name, key=self.target.key, kind=kind, **fields)
+
+    async def ack(self, offset: int) -> None:
+        if self.channel:
+            await self._send(streams.ACK, reply=self.channel, offset=offset)
+
+    async def _attach(self, offset: int, live: bool = False) -> None:
+        await self._send(streams.ATTACH, reply=self.channel, offset=offset, live=live, flow=self.flow)
+
+    async def __aiter__(self) -> AsyncIterator[tuple[Any, ...]]:
+        layer = self._layer
+        self.channel = await layer.new_channel("hangar.follow.")
+        group = streams.proc_group(self.target.key)
+        follower = streams.Follower(want=self.offset)
+        retried = False
+        await layer.group_add(group, self.channel)
+        try:
+            await self._attach(self.offset, self.live)
+            while not follower.done:
+                try:
+                    msg = await asyncio.wait_for(layer.receive(self.channel), FOLLOW_IDLE_S)
+                except TimeoutError:
+                    # Quiet for long: normal for a busy command, but if its row says it ended
+                    # the bridge lost it; ask once more, then report the row's outcome.
+                    ended = await _db(_ended_info)(self.target)
+                    if ended is not None and retried:
+                        follower.done = True
+                        yield ("exit", ended)
+                    elif ended is not None:
+                        retried = True
+                        await self._attach(follower.want)
+                    continue
+                for event in follower.feed(msg):
+                    if event[0] == "resync":
+                        await self._attach(event[1])
+                    elif event[0] == "unknown":
+                        async for stored in _stored_output(self.target, follower.want):
+                            yield stored
+                        return
+                    elif event[0] == "skipped" and self.live:
+                        continue
+                    else:
+                        yield event
+                        if event[0] == "output" and self.flow and self.auto_ack:
+                            await self.ack(event[3])
+                if (
+                    not self.follow and not follower.done and not follower.syncing
+                    and follower.sync_end is not None and follower.want >= follower.sync_end
+                ):  # fmt: skip
+                    return
+        finally:
+            await layer.group_discard(group, self.channel)
+            if not follower.done:
+                await self._send(streams.DETACH, reply=self.channel)
+
+
+def _ended_info(target: FollowTarget) -> dict[str, Any] | None:
+    if target.key.startswith("x"):
+        row = Exec.objects.filter(id=target.row_id).first()
+        if row is None or row.status != Exec.Status.RUNNING:
+            return _exit_of(row)
+        return None
+    term = Terminal.objects.filter(id=target.row_id).first()
+    if term is None or term.status != Terminal.Status.RUNNING:
+        return {"exit_code": term.exit_code if term else None, "signal": 0, "timed_out": False,
+                "error": term.error if term else "the terminal is gone"}  # fmt: skip
+    return None
+
+
+def _exit_of(row: Exec | None) -> dict[str, Any]:
+    if row is None:
+        return {"exit_code": None, "signal": 0, "timed_out": False, "error": "the process is gone"}
+    info: dict[str, Any] = {"exit_code": row.exit_code, "signal": row.signal, "timed_out": row.timed_out}
+    if row.error:
+        info["error"] = row.error
+    return info
+
+
+async def _stored_output(target: FollowTarget, offset: int) -> AsyncIterator[tuple[Any, ...]]:
+    """What the row kept, for a process its bridge no longer holds (ended long ago, or lost)."""
+
+    def load() -> tuple[list[tuple[str, bytes]], dict[str, Any]]:
+        if not target.key.startswith("x"):
+            info = _ended_info(target) or {
+                "exit_code": None, "signal": 0, "timed_out": False,
+                "error": "the terminal's node no longer holds it",
+            }  # fmt: skip
+            return [], info
+        row = Exec.objects.filter(id=target.row_id).first()
+        if row is not None and row.status == Exec.Status.RUNNING:
+            Exec.objects.filter(id=row.id, status=Exec.Status.RUNNING).update(
+                status=Exec.Status.FAILED,
+                error="its node no longer holds this process",
+                finished_at=timezone.now(),
+            )
+            row.refresh_from_db()
+        parts = (
+            []
+            if row is None or offset
+            else [("stdout", row.stdout.encode()), ("stderr", row.stderr.encode())]
+        )
+        return [p for p in parts if p[1]], _exit_of(row)
+
+    parts, info = await _db(load)()
+    end = offset
+    for stream, data in parts:
+        end += len(data)
+        yield ("output", stream, data, end)
+    yield ("exit", info)
+
+
+# -- the bridge's side (sync, called from its threads) ------------------------------------------
+
+
+def process_record_end(
+    *, key: str, info: dict[str, Any], ring: streams.OutputRing, duration_ms: float
+) -> None:
+    """Write a live process's outcome to its row (exit status, the kept tail of its output)."""
+    now = timezone.now()
+    error = info.get("error") or ""
+    if key.startswith("x"):
+        keep = settings.HANGAR_EXEC_KEEP_OUTPUT_BYTES
+        Exec.objects.filter(id=int(key[1:]), status=Exec.Status.RUNNING).update(
+            status=Exec.Status.EXITED if info.get("exit_code") is not None else Exec.Status.FAILED,
+            exit_code=info.get("exit_code"), signal=info.get("signal") or 0, timed_out=bool(info.get("timed_out")),
+            stdout=ring.text("stdout", keep), stderr=ring.text("stderr", keep),
+            stdout_bytes=ring.totals.get("stdout", 0), stderr_bytes=ring.totals.get("stderr", 0),
+            error=error, finished_at=now, duration_ms=duration_ms,
+        )  # fmt: skip
+    elif key.startswith("t"):
+        Terminal.objects.filter(id=key[1:], status=Terminal.Status.RUNNING).update(
+            status=Terminal.Status.EXITED if info.get("exit_code") is not None else Terminal.Status.FAILED,
+            exit_code=info.get("exit_code"), error=error, ended_at=now,
+        )  # fmt: skip
+
+
+def processes_mark_lost(*, node_name: str, reason: str) -> int:
+    """Mark the live processes and terminals recorded on a node as ended (its bridge restarted)."""
+    now = timezone.now()
+    n = Exec.objects.filter(
+        sandbox__node__name=node_name, status=Exec.Status.RUNNING,
+        kind__in=[Exec.Kind.STREAM, Exec.Kind.BACKGROUND],
+    ).update(status=Exec.Status.FAILED, error=reason, finished_at=now)  # fmt: skip
+    n += Terminal.objects.filter(sandbox__node__name=node_name, status=Terminal.Status.RUNNING).update(
+        status=Terminal.Status.FAILED, error=reason, ended_at=now
+    )
+    return n
