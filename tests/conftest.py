@@ -3,6 +3,7 @@ local test node with the busybox image, and a team with an API token."""
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import subprocess
@@ -20,6 +21,7 @@ from runtime.launchers.images import ImageStore
 from .support import free_port, wait_until
 
 ROOT = Path(__file__).resolve().parent.parent
+logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per request drowns the failures
 ARTIFACTS = Path(os.environ.get("HANGAR_TEST_ARTIFACTS", ROOT / "test-artifacts"))
 
 
