@@ -197,7 +197,9 @@ CELERY_BEAT_SCHEDULE = {
 STATIC_URL = "/static/"
 STATICFILES_DIRS = [BASE_DIR / "static"]
 STATIC_ROOT = DATA_DIR / "static"
-LOGIN_URL = "/admin/login/"
+LOGIN_URL = "/login/"
+LOGIN_REDIRECT_URL = "/sandboxes/"
+LOGOUT_REDIRECT_URL = "/login/"
 USE_TZ = True
 TIME_ZONE = "UTC"
 

@@ -1,4 +1,5 @@
 from django.contrib import admin
+from django.contrib.auth import views as auth_views
 from django.urls import path
 
 from dashboard import views
@@ -7,5 +8,21 @@ from dashboard.api import api
 urlpatterns = [
     path("admin/", admin.site.urls),
     path("api/v1/", api.urls),
+    path(
+        "login/",
+        auth_views.LoginView.as_view(template_name="hangar/login.html", redirect_authenticated_user=True),
+        name="login",
+    ),
+    path("logout/", auth_views.LogoutView.as_view(), name="logout"),
+    path("team/", views.team_switch, name="team_switch"),
+    path("sandboxes/", views.sandboxes, name="sandboxes"),
+    path("sandboxes/<str:sandbox_id>/", views.sandbox_detail, name="sandbox"),
+    path("sandboxes/<str:sandbox_id>/stop/", views.sandbox_stop, name="sandbox_stop"),
+    path("sandboxes/<str:sandbox_id>/delete/", views.sandbox_delete, name="sandbox_delete"),
+    path("sandboxes/<str:sandbox_id>/keepalive/", views.sandbox_keepalive, name="sandbox_keepalive"),
+    path("sandboxes/<str:sandbox_id>/terminals/", views.terminal_create, name="terminal_create"),
+    path("sandboxes/<str:sandbox_id>/commands/", views.command_run, name="command_run"),
+    path("sandboxes/<str:sandbox_id>/files/download", views.file_download, name="file_download"),
+    path("sandboxes/<str:sandbox_id>/files/upload", views.file_upload, name="file_upload"),
     path("", views.overview, name="overview"),
 ]

@@ -12,7 +12,7 @@ from runtime.services.nodes import node_register
 @pytest.mark.django_db
 def test_overview_requires_sign_in(client):
     r = client.get("/")
-    assert r.status_code == 302 and "/admin/login/" in r["Location"]
+    assert r.status_code == 302 and r["Location"].startswith("/login/")
 
 
 @pytest.mark.django_db

@@ -1,0 +1,60 @@
+"""Forms of the dashboard pages. They only parse what was typed; the limits (memory, cpu, TTL,
+env names, images, runtimes) are checked by the services, exactly as for the API."""
+
+from __future__ import annotations
+
+from django import forms
+
+
+class SandboxCreateForm(forms.Form):
+    image = forms.CharField(max_length=128, widget=forms.Select)
+    runtime = forms.CharField(max_length=32, widget=forms.Select)
+    cpu = forms.FloatField(initial=1.0, widget=forms.NumberInput(attrs={"step": "0.1", "min": "0.1"}))
+    memory_mb = forms.IntegerField(
+        label="Memory (MB)", initial=512, widget=forms.NumberInput(attrs={"step": "64"})
+    )
+    timeout_s = forms.IntegerField(label="TTL (seconds)", initial=3600)
+    env = forms.CharField(
+        required=False,
+        widget=forms.Textarea(
+            attrs={"rows": 3, "placeholder": "KEY=VALUE, one a line", "spellcheck": "false"}
+        ),
+    )
+
+    # Which field a service message is about, by how the message starts.
+    _MESSAGE_FIELDS = (
+        ("cpu", "cpu"),
+        ("memory_mb", "memory_mb"),
+        ("timeout_s", "timeout_s"),
+        ("env", "env"),
+        ("unknown image", "image"),
+        ("image", "image"),
+        ("no online node runs runtime", "runtime"),
+    )
+
+    def __init__(self, *args: object, images: list[str], runtimes: list[str], **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        self.images = images
+        self.fields["image"].widget.choices = [(name, name) for name in images]  # type: ignore[attr-defined]
+        self.fields["runtime"].widget.choices = [(name, name) for name in runtimes]  # type: ignore[attr-defined]
+        if runtimes and not self.is_bound:
+            self.initial.setdefault("runtime", "gvisor" if "gvisor" in runtimes else runtimes[0])
+
+    def clean_env(self) -> dict[str, str]:
+        env: dict[str, str] = {}
+        for number, line in enumerate(self.cleaned_data.get("env", "").splitlines(), start=1):
+            if not line.strip() or line.lstrip().startswith("#"):
+                continue
+            if "=" not in line:
+                raise forms.ValidationError(f"line {number}: expected KEY=VALUE, got {line.strip()!r}")
+            key, value = line.split("=", 1)
+            env[key.strip()] = value
+        return env
+
+    def add_service_error(self, message: str) -> None:
+        """Show a service's message next to the field it is about (or above the form)."""
+        for prefix, field in self._MESSAGE_FIELDS:
+            if message.startswith(prefix):
+                self.add_error(field, message)
+                return
+        self.add_error(None, message)

@@ -1,0 +1,610 @@
+"""Dashboard pages through Django's test client: sign-in, the team switcher, the sandboxes list
+and its create form, and the sandbox page's tabs and actions. Rows are written with the ORM;
+nothing here needs runsc, a worker or a server."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import pytest
+from asgiref.sync import async_to_sync
+from django.contrib.auth import get_user_model
+from django.template.loader import render_to_string
+from django.utils import timezone
+
+from dashboard.teams import SESSION_KEY
+from dashboard.views import sandbox_rows_context
+from runtime.models import Exec, Image, Membership, Sandbox, SandboxEvent, Team
+from runtime.services.nodes import node_register
+
+S = Sandbox.Status
+
+
+def _member(username: str, team: Team, role: str = Membership.Role.MEMBER):
+    user = get_user_model().objects.create_user(username, password="pw")
+    Membership.objects.create(user=user, team=team, role=role)
+    return user
+
+
+def _sandbox(team: Team, status: str = S.RUNNING, **fields) -> Sandbox:
+    fields.setdefault("expires_at", timezone.now() + timedelta(hours=1))
+    return Sandbox.objects.create(
+        team=team, image="busybox", image_digest="sha256:" + "b" * 64, status=status, **fields
+    )
+
+
+@pytest.fixture
+def alpha(db) -> Team:
+    return Team.objects.create(name="alpha")
+
+
+@pytest.fixture
+def beta(db) -> Team:
+    return Team.objects.create(name="beta")
+
+
+@pytest.fixture
+def ann(client, alpha):
+    user = _member("ann", alpha)
+    client.force_login(user)
+    return user
+
+
+# -- sign-in --------------------------------------------------------------------------------------
+
+
+@pytest.mark.django_db
+def test_sign_in_page_renders_and_signs_in(client, alpha):
+    _member("ann", alpha)
+    page = client.get("/login/")
+    assert page.status_code == 200
+    html = page.content.decode()
+    assert 'id="login-form"' in html and "hangar/hangar.css" in html and "/admin/" not in html
+
+    wrong = client.post("/login/", {"username": "ann", "password": "nope"})
+    assert wrong.status_code == 200 and "msg error" in wrong.content.decode()
+
+    r = client.post("/login/", {"username": "ann", "password": "pw"})
+    assert r.status_code == 302 and r["Location"] == "/sandboxes/"
+    assert client.get("/sandboxes/").status_code == 200
+
+    out = client.post("/logout/")
+    assert out.status_code == 302 and out["Location"] == "/login/"
+    assert client.get("/sandboxes/").status_code == 302
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize(
+    "url", ["/", "/sandboxes/", "/sandboxes/sbanything/", "/sandboxes/sbanything/?tab=files"]
+)
+def test_pages_require_sign_in(client, url):
+    r = client.get(url)
+    assert r.status_code == 302 and r["Location"].startswith("/login/?next=")
+
+
+@pytest.mark.django_db
+def test_posts_require_sign_in(client, alpha):
+    sandbox = _sandbox(alpha)
+    for url in (f"/sandboxes/{sandbox.id}/stop/", f"/sandboxes/{sandbox.id}/delete/", "/sandboxes/"):
+        assert client.post(url).status_code == 302
+    assert Sandbox.objects.get(id=sandbox.id).status == S.RUNNING
+
+
+# -- the list -------------------------------------------------------------------------------------
+
+
+@pytest.mark.django_db
+def test_sandbox_list_shows_the_current_teams_sandboxes_only(client, ann, alpha, beta):
+    node = node_register(name="node-a", runtimes=["gvisor"], cpu=4, memory_mb=8192)
+    mine = _sandbox(alpha, node=node, memory_mb=768)
+    theirs = _sandbox(beta)
+    page = client.get("/sandboxes/").content.decode()
+    assert mine.id in page and theirs.id not in page
+    assert f'id="sb-{mine.id}"' in page and "node-a" in page and "768 MB" in page
+    assert 'ws-connect="/ws/ui/sandboxes"' in page and "vendor/htmx/ext-ws.min.js" in page
+    assert 'class="status running"' in page
+
+
+@pytest.mark.django_db
+def test_sandbox_list_shows_cpu_and_memory_in_use_from_the_last_sample(client, ann, alpha):
+    import json
+
+    from runtime.notify import redis_client
+    from runtime.services.sandboxes import STATS_KEY
+
+    sampled, unsampled = _sandbox(alpha), _sandbox(alpha)
+    redis_client().hset(
+        STATS_KEY, sampled.id, json.dumps({"cpu_pct": 12.4, "memory_bytes": 50 * 1024 * 1024})
+    )
+    try:
+        page = client.get("/sandboxes/").content.decode()
+    finally:
+        redis_client().hdel(STATS_KEY, sampled.id)
+    row = page.split(f'id="sb-{sampled.id}"')[1].split("</tr>")[0]
+    assert "12%" in row and "50.0\xa0MB" in row
+    row = page.split(f'id="sb-{unsampled.id}"')[1].split("</tr>")[0]
+    assert "—<span" in row
+
+
+@pytest.mark.django_db
+def test_sandbox_list_filters_by_status(client, ann, alpha):
+    running = _sandbox(alpha, S.RUNNING)
+    stopped = _sandbox(alpha, S.STOPPED)
+    failed = _sandbox(alpha, S.FAILED, status_reason="out of memory")
+    deleted = _sandbox(alpha, S.DELETED)
+
+    active = client.get("/sandboxes/").content.decode()
+    assert all(s.id in active for s in (running, stopped, failed)) and deleted.id not in active
+
+    only_stopped = client.get("/sandboxes/?status=stopped").content.decode()
+    assert stopped.id in only_stopped and running.id not in only_stopped and failed.id not in only_stopped
+
+    only_deleted = client.get("/sandboxes/?status=deleted").content.decode()
+    assert deleted.id in only_deleted and running.id not in only_deleted
+
+    only_running = client.get("/sandboxes/?status=running").content.decode()
+    assert running.id in only_running and failed.id not in only_running
+
+    running.delete()
+    assert "No running sandboxes" in client.get("/sandboxes/?status=running").content.decode()
+
+    # An unknown filter is the default view, not an error.
+    assert client.get("/sandboxes/?status=bogus").status_code == 200
+
+
+@pytest.mark.django_db
+def test_empty_list_says_how_to_create_a_sandbox(client, ann):
+    page = client.get("/sandboxes/").content.decode()
+    assert "No sandboxes yet" in page and "/api/v1/sandboxes" in page and 'id="create-form"' in page
+
+
+@pytest.mark.django_db
+def test_sandbox_list_pages_fifty_at_a_time(client, ann, alpha):
+    Sandbox.objects.bulk_create(
+        [Sandbox(team=alpha, image="busybox", image_digest="x", status=S.RUNNING) for _ in range(120)]
+    )
+    first = client.get("/sandboxes/").content.decode()
+    assert first.count('class="sb-row"') == 50 and "Page 1 of 3" in first
+    last = client.get("/sandboxes/?page=3").content.decode()
+    assert last.count('class="sb-row"') == 20 and "101–120 of 120" in last
+
+
+@pytest.mark.django_db
+def test_sandbox_list_with_a_thousand_sandboxes_is_a_bounded_number_of_queries(
+    client, ann, alpha, django_assert_max_num_queries
+):
+    node = node_register(name="node-a", runtimes=["gvisor"], cpu=64, memory_mb=65536)
+    Image.objects.create(name="busybox", digest="sha256:" + "a" * 64).nodes.add(node)
+    statuses = [S.RUNNING, S.STOPPED, S.FAILED, S.STARTING, S.DELETED]
+    Sandbox.objects.bulk_create(
+        [
+            Sandbox(
+                team=alpha,
+                image="busybox",
+                image_digest="x",
+                node=node,
+                status=statuses[i % 5],
+                expires_at=timezone.now() + timedelta(minutes=i),
+            )
+            for i in range(1000)
+        ]  # fmt: skip
+    )
+    with django_assert_max_num_queries(15):
+        r = client.get("/sandboxes/")
+    assert r.status_code == 200 and r.content.decode().count('class="sb-row"') == 50
+    with django_assert_max_num_queries(15):
+        r = client.get("/sandboxes/?status=running&page=4")
+    assert r.status_code == 200 and r.content.decode().count('data-status="running"') == 50
+
+
+@pytest.mark.django_db
+def test_live_rows_render_as_out_of_band_table_rows(alpha, beta):
+    mine, theirs = _sandbox(alpha, S.STARTING), _sandbox(beta)
+    rows = sandbox_rows_context(team=alpha, ids=[mine.id, theirs.id])
+    assert [r.sandbox.id for r in rows] == [mine.id]
+    html = render_to_string("hangar/partials/sandbox_rows_oob.html", {"rows": rows})
+    assert html.strip().startswith("<template><tr")
+    assert f'<tr id="sb-{mine.id}"' in html and 'hx-swap-oob="true"' in html and theirs.id not in html
+    assert 'class="status starting"' in html
+
+
+@pytest.mark.django_db
+def test_live_detail_push_replaces_the_header_and_appends_events(alpha):
+    sandbox = _sandbox(alpha, S.FAILED, status_reason="the runtime crashed")
+    event = SandboxEvent.objects.create(
+        sandbox=sandbox, kind="status", status_from="running", status_to="failed"
+    )
+    html = render_to_string("hangar/partials/sandbox_live_oob.html", {"sandbox": sandbox, "events": [event]})
+    assert 'id="sb-header"' in html and 'hx-swap-oob="true"' in html and "the runtime crashed" in html
+    assert 'hx-swap-oob="beforeend:#events-body"' in html and f'id="ev-{event.id}"' in html
+
+
+# -- the team switcher ----------------------------------------------------------------------------
+
+
+@pytest.mark.django_db
+def test_team_switcher_switches_team_and_refuses_a_foreign_one(client, ann, alpha, beta):
+    gamma = Team.objects.create(name="gamma")
+    Membership.objects.create(user=ann, team=beta, role=Membership.Role.VIEWER)
+    in_alpha, in_beta, in_gamma = _sandbox(alpha), _sandbox(beta), _sandbox(gamma)
+
+    page = client.get("/sandboxes/").content.decode()
+    assert 'id="team-select"' in page and in_alpha.id in page and in_beta.id not in page
+
+    r = client.post("/team/", {"team": beta.id, "next": "/sandboxes/"})
+    assert r.status_code == 302 and r["Location"] == "/sandboxes/"
+    assert client.session[SESSION_KEY] == beta.id
+    page = client.get("/sandboxes/").content.decode()
+    assert in_beta.id in page and in_alpha.id not in page
+
+    refused = client.post("/team/", {"team": gamma.id})
+    assert refused.status_code == 403 and client.session[SESSION_KEY] == beta.id
+    assert in_gamma.id not in client.get("/sandboxes/").content.decode()
+    assert client.post("/team/", {"team": "nope"}).status_code == 403
+
+    # From a sandbox page of the old team, the switch lands on the list, not on a 404.
+    r = client.post("/team/", {"team": alpha.id, "next": f"/sandboxes/{in_beta.id}/"})
+    assert r["Location"] == "/sandboxes/"
+    assert (
+        client.post("/team/", {"team": beta.id, "next": "https://evil.example/"})["Location"] == "/sandboxes/"
+    )
+
+
+@pytest.mark.django_db
+def test_user_without_a_team_is_told_so(client):
+    client.force_login(get_user_model().objects.create_user("loner", password="pw"))
+    page = client.get("/sandboxes/").content.decode()
+    assert "not in a team" in page
+    assert client.get("/sandboxes/sbwhatever/").status_code == 404
+
+
+# -- the create form ------------------------------------------------------------------------------
+
+
+@pytest.mark.django_db
+def test_create_form_shows_the_services_validation_errors_and_keeps_the_values(client, ann):
+    Image.objects.create(name="busybox", digest="sha256:" + "a" * 64)
+    form = {"image": "busybox", "runtime": "gvisor", "cpu": "1", "memory_mb": "999999", "timeout_s": "600",
+            "env": "GREETING=hello"}  # fmt: skip
+    r = client.post("/sandboxes/", form)
+    html = r.content.decode()
+    assert r.status_code == 422
+    assert "memory_mb must be between 128 and 16384, got 999999" in html
+    assert 'value="999999"' in html and "GREETING=hello" in html and 'value="600"' in html
+
+    r = client.post("/sandboxes/", {**form, "memory_mb": "512", "image": "no-such-image"})
+    assert (
+        r.status_code == 422
+        and "unknown image &#x27;no-such-image&#x27;; images available: busybox" in r.content.decode()
+    )
+
+    r = client.post("/sandboxes/", {**form, "memory_mb": "512", "env": "1BAD=x"})
+    assert r.status_code == 422 and "is not a valid variable name" in r.content.decode()
+
+    r = client.post("/sandboxes/", {**form, "memory_mb": "512", "env": "no equals sign"})
+    assert r.status_code == 422 and "expected KEY=VALUE" in r.content.decode()
+
+    r = client.post("/sandboxes/", {**form, "cpu": "lots"})
+    assert r.status_code == 422 and "Enter a number" in r.content.decode()
+    assert not Sandbox.objects.exists()
+
+
+@pytest.mark.django_db
+def test_create_form_without_a_node_says_so(client, ann):
+    Image.objects.create(name="busybox", digest="sha256:" + "a" * 64)
+    r = client.post("/sandboxes/", {"image": "busybox", "runtime": "gvisor", "cpu": "1", "memory_mb": "512",
+                                    "timeout_s": "600"})  # fmt: skip
+    assert r.status_code == 422 and "no online node runs runtime" in r.content.decode()
+
+
+@pytest.mark.django_db
+def test_create_redirects_to_the_sandbox_page_which_shows_it_starting(client, ann, alpha):
+    node = node_register(name="node-a", runtimes=["gvisor"], cpu=4, memory_mb=8192)
+    Image.objects.create(name="busybox", digest="sha256:" + "a" * 64).nodes.add(node)
+    r = client.post("/sandboxes/", {"image": "busybox", "runtime": "gvisor", "cpu": "0.5", "memory_mb": "256",
+                                    "timeout_s": "900", "env": "A=1\nB=two=2\n"})  # fmt: skip
+    sandbox = Sandbox.objects.get(team=alpha)
+    assert r.status_code == 302 and r["Location"] == f"/sandboxes/{sandbox.id}/"
+    assert sandbox.env == {"A": "1", "B": "two=2"} and sandbox.memory_mb == 256 and sandbox.cpu == 0.5
+    page = client.get(r["Location"]).content.decode()
+    assert "Scheduled on node" in page and 'id="sb-progress"' in page and "spinner" in page
+    assert f'ws-connect="/ws/ui/sandboxes/{sandbox.id}?after=' in page
+
+
+@pytest.mark.django_db
+def test_viewer_sees_no_create_form_and_cannot_create(client, alpha):
+    client.force_login(_member("vic", alpha, Membership.Role.VIEWER))
+    Image.objects.create(name="busybox", digest="sha256:" + "a" * 64)
+    assert 'id="create-form"' not in client.get("/sandboxes/").content.decode()
+    r = client.post("/sandboxes/", {"image": "busybox", "runtime": "gvisor", "cpu": "1", "memory_mb": "512",
+                                    "timeout_s": "60"})  # fmt: skip
+    assert r.status_code == 403 and not Sandbox.objects.exists()
+
+
+# -- the sandbox page -----------------------------------------------------------------------------
+
+
+@pytest.mark.django_db
+def test_sandbox_page_is_a_404_for_another_teams_sandbox(client, ann, beta):
+    theirs = _sandbox(beta)
+    assert client.get(f"/sandboxes/{theirs.id}/").status_code == 404
+    assert client.get(f"/sandboxes/{theirs.id}/?tab=events", HTTP_HX_REQUEST="true").status_code == 404
+    assert client.post(f"/sandboxes/{theirs.id}/stop/").status_code == 404
+    assert client.get(f"/sandboxes/{theirs.id}/files/download?path=/etc/hostname").status_code == 404
+    assert Sandbox.objects.get(id=theirs.id).status == S.RUNNING
+
+
+@pytest.mark.django_db
+def test_sandbox_page_header_shows_the_sandbox(client, ann, alpha):
+    node = node_register(name="node-a", runtimes=["gvisor"], cpu=4, memory_mb=8192)
+    sandbox = _sandbox(alpha, node=node, cpu=2, memory_mb=1024)
+    page = client.get(f"/sandboxes/{sandbox.id}/").content.decode()
+    assert 'id="sb-header"' in page and 'class="status running"' in page and "node-a" in page
+    assert (
+        "1024 MB" in page
+        and 'id="stop-button"' in page
+        and 'id="delete-button"' in page
+        and "hx-confirm" in page
+    )
+    assert 'id="extend-button"' in page and "data-expires" in page
+    # A running sandbox opens on its terminal tab, which opens a terminal when it has none.
+    assert 'id="tab-terminal"' in page and 'class="tab active"' in page and 'id="terminal-opening"' in page
+    assert "hangar/terminal.js" in page and "vendor/xterm/xterm.js" in page
+
+
+@pytest.mark.django_db
+def test_failed_sandbox_shows_its_reason_and_tabs_say_they_need_a_running_one(client, ann, alpha):
+    sandbox = _sandbox(alpha, S.FAILED, status_reason="image busybox is not on node node-z")
+    page = client.get(f"/sandboxes/{sandbox.id}/").content.decode()
+    assert "image busybox is not on node node-z" in page and 'id="events-body"' in page  # opens on Events
+    for tab in ("terminal", "commands", "files"):
+        fragment = client.get(f"/sandboxes/{sandbox.id}/?tab={tab}", HTTP_HX_REQUEST="true").content.decode()
+        assert (
+            "<html" not in fragment
+            and "This sandbox is failed" in fragment
+            and "need a running sandbox" in fragment
+        )
+    assert 'id="stop-button"' in page and 'id="extend-button"' not in page
+
+
+@pytest.mark.django_db
+def test_events_tab_lists_the_sandboxes_events(client, ann, alpha):
+    sandbox = _sandbox(alpha)
+    first = SandboxEvent.objects.create(sandbox=sandbox, kind="status", message="scheduled on node node-a")
+    last = SandboxEvent.objects.create(
+        sandbox=sandbox, kind="status", status_from="starting", status_to="running"
+    )
+    fragment = client.get(f"/sandboxes/{sandbox.id}/?tab=events", HTTP_HX_REQUEST="true")
+    html = fragment.content.decode()
+    assert fragment.status_code == 200 and "<html" not in html and 'id="events-body"' in html
+    assert (
+        "scheduled on node node-a" in html and f'id="ev-{first.id}"' in html and f'id="ev-{last.id}"' in html
+    )
+    assert html.index(f'id="ev-{first.id}"') < html.index(f'id="ev-{last.id}"')
+    # The same tab by URL is the whole page; its live socket starts after the last event.
+    page = client.get(f"/sandboxes/{sandbox.id}/?tab=events").content.decode()
+    assert "<html" in page and f"?after={last.id}" in page and "scheduled on node node-a" in page
+
+
+@pytest.mark.django_db
+def test_commands_tab_lists_history_and_shows_stored_output(client, ann, alpha):
+    sandbox = _sandbox(alpha, S.STOPPED)
+    done = Exec.objects.create(sandbox=sandbox, kind=Exec.Kind.STREAM, argv=["/bin/sh", "-c", "echo hi; echo oops >&2"],
+                               status=Exec.Status.EXITED, exit_code=3, stdout="hi\n", stderr="oops\n",
+                               stdout_bytes=3, stderr_bytes=5, duration_ms=1520)  # fmt: skip
+    html = client.get(f"/sandboxes/{sandbox.id}/?tab=commands", HTTP_HX_REQUEST="true").content.decode()
+    assert f'id="exec-{done.id}"' in html and "echo hi; echo oops &gt;&amp;2" in html and "exit 3" in html
+    assert "1.5 s" in html and 'id="command-form"' not in html  # stopped: no new commands
+    html = client.get(
+        f"/sandboxes/{sandbox.id}/?tab=commands&process={done.id}", HTTP_HX_REQUEST="true"
+    ).content.decode()
+    assert '<span class="stdout">hi\n</span>' in html and '<span class="stderr">oops\n</span>' in html
+    assert "data-ws" not in html.split('id="command-run-view"')[1].split(">")[0]
+
+
+@pytest.mark.django_db
+def test_commands_tab_attaches_to_a_running_process(client, ann, alpha):
+    sandbox = _sandbox(alpha)
+    live = Exec.objects.create(sandbox=sandbox, kind=Exec.Kind.STREAM, argv=["/bin/sh", "-c", "sleep 100"],
+                               status=Exec.Status.RUNNING)  # fmt: skip
+    html = client.get(f"/sandboxes/{sandbox.id}/?tab=commands&process={live.id}").content.decode()
+    assert f'data-ws="/ws/v1/sandboxes/{sandbox.id}/exec?process={live.id}"' in html
+    assert 'id="command-input"' in html and "hangar/commands.js" in html
+
+
+@pytest.mark.django_db
+def test_empty_commands_history_says_so(client, ann, alpha):
+    sandbox = _sandbox(alpha)
+    html = client.get(f"/sandboxes/{sandbox.id}/?tab=commands").content.decode()
+    assert "No commands yet" in html
+
+
+@pytest.mark.django_db
+def test_file_errors_are_messages_not_server_errors(client, ann, alpha):
+    sandbox = _sandbox(alpha, S.STOPPED)
+    r = client.get(f"/sandboxes/{sandbox.id}/files/download?path=/etc/hostname")
+    assert r.status_code == 302 and r["Location"] == f"/sandboxes/{sandbox.id}/?tab=files&path=%2Fetc"
+    page = client.get(r["Location"]).content.decode()
+    assert "Could not download /etc/hostname" in page and "is stopped" in page
+
+    r = client.post(f"/sandboxes/{sandbox.id}/files/upload", {"path": "/tmp"})
+    assert r.status_code == 302
+    assert "Choose a file to upload" in client.get(r["Location"]).content.decode()
+
+
+@pytest.mark.django_db
+def test_viewer_may_look_but_not_change(client, alpha):
+    client.force_login(_member("vic", alpha, Membership.Role.VIEWER))
+    sandbox = _sandbox(alpha)
+    page = client.get(f"/sandboxes/{sandbox.id}/").content.decode()
+    assert 'id="stop-button"' not in page and 'class="role-viewer"' in page
+    assert 'id="new-terminal"' not in page and 'id="terminal-opening"' not in page
+
+    assert client.post(f"/sandboxes/{sandbox.id}/stop/").status_code == 403
+    assert client.post(f"/sandboxes/{sandbox.id}/delete/").status_code == 403
+    assert client.post(f"/sandboxes/{sandbox.id}/keepalive/", {"seconds": "60"}).status_code == 403
+    assert client.post(f"/sandboxes/{sandbox.id}/terminals/").status_code == 403
+    assert client.post(f"/sandboxes/{sandbox.id}/commands/", {"cmd": "true"}).status_code == 403
+    assert client.post(f"/sandboxes/{sandbox.id}/files/upload", {"path": "/"}).status_code == 403
+    assert Sandbox.objects.get(id=sandbox.id).status == S.RUNNING
+
+
+@pytest.mark.django_db
+def test_stop_delete_and_extend(client, ann, alpha):
+    sandbox = _sandbox(alpha)  # no node: the services finish the move at once
+    r = client.post(f"/sandboxes/{sandbox.id}/keepalive/", {"seconds": "7200"}, HTTP_HX_REQUEST="true")
+    html = r.content.decode()
+    assert r.status_code == 200 and html.startswith('<section id="sb-header"') and "7200 s from now" in html
+    sandbox.refresh_from_db()
+    assert sandbox.expires_at > timezone.now() + timedelta(seconds=7100)
+
+    r = client.post(f"/sandboxes/{sandbox.id}/keepalive/", {"seconds": "99999999"}, HTTP_HX_REQUEST="true")
+    assert "timeout_s must be between" in r.content.decode()
+
+    r = client.post(f"/sandboxes/{sandbox.id}/stop/")
+    assert r.status_code == 302 and r["Location"] == f"/sandboxes/{sandbox.id}/"
+    assert Sandbox.objects.get(id=sandbox.id).status == S.STOPPED
+
+    r = client.post(f"/sandboxes/{sandbox.id}/delete/", HTTP_HX_REQUEST="true")
+    assert r.status_code == 200 and 'class="status deleted"' in r.content.decode()
+    assert Sandbox.objects.get(id=sandbox.id).status == S.DELETED
+    assert client.get(f"/sandboxes/{sandbox.id}/").status_code == 200  # the row stays, as deleted
+
+
+@pytest.mark.django_db
+def test_overview_counts_the_current_teams_sandboxes(client, ann, alpha, beta):
+    _sandbox(alpha, S.RUNNING)
+    _sandbox(beta, S.RUNNING)
+    _sandbox(beta, S.RUNNING)
+    page = client.get("/").content.decode()
+    assert '<div class="num">1</div><div class="label">running sandboxes</div>' in page
+
+
+# -- files, against a fake of the file services (a running sandbox needs runsc) -------------------
+
+
+class FakeSandboxFiles:
+    """Stands in for the node side of the file services: a dict of path -> bytes."""
+
+    def __init__(self, files: dict[str, bytes]) -> None:
+        self.files = files
+        self.written: dict[str, bytes] = {}
+
+    def entry(self, path: str):
+        from runtime.launchers.base import FileEntry
+
+        is_dir = path not in self.files
+        size = 0 if is_dir else len(self.files[path])
+        return FileEntry(
+            path.rsplit("/", 1)[-1],
+            path,
+            "dir" if is_dir else "file",
+            size,
+            0o755 if is_dir else 0o644,
+            1.7e9,
+        )
+
+    def list(self, *, sandbox, path):
+        from runtime.errors import NotFound
+
+        prefix = path.rstrip("/") + "/"
+        names = {p[len(prefix) :].split("/")[0] for p in self.files if p.startswith(prefix)}
+        if not names and path != "/":
+            raise NotFound(f"{path}: No such file or directory")
+        return [self.entry(prefix + n) for n in sorted(names)]
+
+    def read(self, *, sandbox, path):
+        from runtime.errors import NotFound
+
+        if path not in self.files:
+            raise NotFound(f"{path}: No such file or directory")
+        data = self.files[path]
+        return self.entry(path), iter([data[i : i + 65536] for i in range(0, len(data), 65536)])
+
+    def write(self, *, sandbox, path, data):
+        self.written[path] = data
+        return len(data)
+
+
+@pytest.fixture
+def fake_files(monkeypatch):
+    from runtime.services import sandboxes as svc
+
+    fake = FakeSandboxFiles(
+        {
+            "/etc/hostname": b"sandbox\n",
+            "/etc/motd": "héllo wörld\n".encode(),
+            "/bin/busybox": b"\x7fELF\x00\x01" * 100,
+            "/var/log/big.log": b"line\n" * 100_000,
+        }
+    )
+    monkeypatch.setattr(svc, "sandbox_file_list", fake.list)
+    monkeypatch.setattr(svc, "sandbox_file_read", fake.read)
+    monkeypatch.setattr(svc, "sandbox_file_write", fake.write)
+    return fake
+
+
+@pytest.mark.django_db
+def test_files_tab_browses_directories_dirs_first_with_breadcrumbs(client, ann, alpha, fake_files):
+    sandbox = _sandbox(alpha)
+    root = client.get(f"/sandboxes/{sandbox.id}/?tab=files", HTTP_HX_REQUEST="true").content.decode()
+    assert 'id="file-list"' in root and 'data-path="/etc"' in root and 'id="upload-input"' in root
+    etc = client.get(
+        f"/sandboxes/{sandbox.id}/?tab=files&path=/etc/", HTTP_HX_REQUEST="true"
+    ).content.decode()
+    assert etc.index('data-path="/etc/hostname"') < etc.index('data-path="/etc/motd"')
+    assert 'name="path" value="/etc"' in etc and ">etc</a>" in etc and "rw-r--r--" in etc
+    assert f"/sandboxes/{sandbox.id}/files/download?path=/etc/hostname" in etc
+    var = client.get(f"/sandboxes/{sandbox.id}/?tab=files&path=/var", HTTP_HX_REQUEST="true").content.decode()
+    assert var.index('data-type="parent"') < var.index('data-path="/var/log"')
+    missing = client.get(f"/sandboxes/{sandbox.id}/?tab=files&path=/nope", HTTP_HX_REQUEST="true")
+    assert (
+        missing.status_code == 200
+        and "Could not list /nope: /nope: No such file or directory" in missing.content.decode()
+    )
+
+
+@pytest.mark.django_db
+def test_files_tab_shows_text_inline_and_says_binary_or_truncated(client, ann, alpha, fake_files):
+    sandbox = _sandbox(alpha)
+    url = f"/sandboxes/{sandbox.id}/?tab=files&path=/etc&file="
+    text = client.get(url + "/etc/motd").content.decode()
+    assert '<pre class="file-content" id="file-content">héllo wörld\n</pre>' in text
+    binary = client.get(url + "/bin/busybox").content.decode()
+    assert 'id="file-binary"' in binary and 'id="file-content"' not in binary
+    big = client.get(url + "/var/log/big.log").content.decode()
+    assert 'id="file-truncated"' in big and "256 KiB" in big
+    gone = client.get(url + "/etc/gone").content.decode()
+    assert "Could not open /etc/gone" in gone and 'id="file-list"' in gone
+
+
+@pytest.mark.django_db
+def test_download_streams_the_file_as_an_attachment(client, ann, alpha, fake_files):
+    sandbox = _sandbox(alpha)
+    r = client.get(f"/sandboxes/{sandbox.id}/files/download?path=/var/log/big.log")
+    assert r.status_code == 200 and r.streaming
+    assert (
+        r["Content-Length"] == str(500_000)
+        and r["Content-Disposition"] == "attachment; filename*=UTF-8''big.log"
+    )
+    assert (
+        async_to_sync(_collect)(r.streaming_content) == b"line\n" * 100_000
+    )  # an async stream: not read whole
+
+
+async def _collect(stream) -> bytes:
+    return b"".join([chunk async for chunk in stream])
+
+
+@pytest.mark.django_db
+def test_upload_writes_into_the_current_directory(client, ann, alpha, fake_files):
+    from django.core.files.uploadedfile import SimpleUploadedFile
+
+    sandbox = _sandbox(alpha)
+    upload = SimpleUploadedFile("notes.txt", b"remember the milk\n")
+    r = client.post(
+        f"/sandboxes/{sandbox.id}/files/upload", {"path": "/tmp", "file": upload}, HTTP_HX_REQUEST="true"
+    )
+    assert r.status_code == 200 and "Uploaded /tmp/notes.txt (18 bytes)" in r.content.decode()
+    assert r["HX-Push-Url"] == f"/sandboxes/{sandbox.id}/?tab=files&path=%2Ftmp"
+    assert fake_files.written == {"/tmp/notes.txt": b"remember the milk\n"}
