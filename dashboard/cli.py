@@ -133,7 +133,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         _say(f"Hangar is up at {url}  (API docs: {url}/api/v1/docs)")
         _say(f"  node:  {node.name} (queue {node.queue}), data in {data_dir}")
         if password:
-            _say(f"  admin: {user.get_username()} / {password}   (sign in at {url}/admin/)")
+            _say(f"  admin: {user.get_username()} / {password}   (sign in at {url}/login/)")
             _say(f"  API token (shown once): {token}")
         else:
             _say(

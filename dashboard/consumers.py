@@ -10,7 +10,7 @@ text frames are small JSON control messages. Client → server: ``{"type": "resi
 ``?flow=1``), ``{"type": "ping"}``, ``{"type": "input", "data": "text"}``. Server → client:
 ``{"type": "pong"}``, ``{"type": "skipped", "bytes"}``, ``{"type": "exit", "exit_code", …}``
 and then a close. With ``?flow=1`` the shell is held back while the client has more than
-512 KiB unacknowledged (the xterm.js flow-control guide); without it the server counts a frame
+128 KiB unacknowledged (the xterm.js flow-control guide); without it the server counts a frame
 as consumed once it is handed to the socket.
 """
 
@@ -89,7 +89,9 @@ class TerminalConsumer(_Base):
             return
         terminal_id = self.scope["url_route"]["kwargs"]["terminal_id"]
         try:
-            term = await database_sync_to_async(proc_svc.terminal_get)(team=self.team, terminal_id=terminal_id)
+            term = await database_sync_to_async(proc_svc.terminal_get)(
+                team=self.team, terminal_id=terminal_id
+            )
         except ServiceError:
             await self.close(code=CLOSE_NOT_FOUND)
             return
@@ -190,7 +192,9 @@ class ExecConsumer(_Base):
             return
         sandbox_id = self.scope["url_route"]["kwargs"]["sandbox_id"]
         try:
-            self.sandbox = await database_sync_to_async(svc.sandbox_get)(team=self.team, sandbox_id=sandbox_id)
+            self.sandbox = await database_sync_to_async(svc.sandbox_get)(
+                team=self.team, sandbox_id=sandbox_id
+            )
         except ServiceError:
             await self.close(code=CLOSE_NOT_FOUND)
             return
@@ -275,7 +279,7 @@ class ExecConsumer(_Base):
     async def _start(self, msg: dict[str, Any]) -> None:
         cmd = msg.get("cmd")
         if not isinstance(cmd, str | list):
-            await self._fail("the first message must be the command: {\"cmd\": \"...\"}")
+            await self._fail('the first message must be the command: {"cmd": "..."}')
             return
         try:
             stdin = msg.get("stdin")
@@ -378,7 +382,9 @@ class SandboxLiveConsumer(_LivePage):
             return
         sandbox_id = self.scope["url_route"]["kwargs"]["sandbox_id"]
         try:
-            self.sandbox = await database_sync_to_async(svc.sandbox_get)(team=self.team, sandbox_id=sandbox_id)
+            self.sandbox = await database_sync_to_async(svc.sandbox_get)(
+                team=self.team, sandbox_id=sandbox_id
+            )
         except ServiceError:
             await self.close(code=CLOSE_NOT_FOUND)
             return
@@ -396,4 +402,3 @@ class SandboxLiveConsumer(_LivePage):
         return render_to_string(
             "hangar/partials/sandbox_live_oob.html", {"sandbox": sandbox, "events": events}
         )
-

@@ -60,7 +60,11 @@ class Hub:
                     if message.get("type") != "pmessage":
                         continue
                     channel = message["channel"].decode()
-                    data = message["data"].decode() if isinstance(message["data"], bytes) else str(message["data"])
+                    data = (
+                        message["data"].decode()
+                        if isinstance(message["data"], bytes)
+                        else str(message["data"])
+                    )
                     for queue in list(self.subscribers.get(channel, ())):
                         with contextlib.suppress(asyncio.QueueFull):
                             queue.put_nowait(data)

@@ -163,7 +163,14 @@ CHANNEL_LAYERS = {
         "BACKEND": "channels_redis.core.RedisChannelLayer",
         # Flow control keeps a follower's backlog to a few messages; the capacity only has to
         # absorb bursts (a full channel drops messages, and followers re-sync by offset).
-        "CONFIG": {"hosts": [REDIS_URL], "capacity": 1000, "expiry": 60, "prefix": "hangar:ws:"},
+        # The socket timeout must outlast channels_redis's 5 s blocking reads (redis-py's
+        # default is 5 s too, which would break every idle socket).
+        "CONFIG": {
+            "hosts": [{"address": REDIS_URL, "socket_timeout": 30}],
+            "capacity": 1000,
+            "expiry": 60,
+            "prefix": "hangar:ws:",
+        },
     }
 }
 

@@ -27,6 +27,7 @@ import contextlib
 import logging
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,10 +39,10 @@ from .node import launcher_for
 
 log = logging.getLogger("hangar.bridge")
 
-HIGH = 512 * 1024
-LOW = 128 * 1024
+HIGH = 128 * 1024
+LOW = 32 * 1024
 STALE_S = 15.0
-REPLAY_MESSAGE_BYTES = 256 * 1024
+COALESCE_BYTES = 256 * 1024
 KEEP_ENDED_S = 600.0
 HOUSEKEEPING_S = 1.0
 
@@ -63,7 +64,9 @@ class LiveProcess:
     started: float = field(default_factory=time.monotonic)
     viewers: dict[str, Viewer] = field(default_factory=dict)
     may_read: threading.Event = field(default_factory=threading.Event)
-    outbox: asyncio.Queue[tuple[str | None, dict[str, Any]]] = field(default_factory=asyncio.Queue)
+    # (destination channel or None for the group, message); the sender merges runs of output.
+    outbox: deque[tuple[str | None, dict[str, Any]]] = field(default_factory=deque)
+    outbox_ready: asyncio.Event = field(default_factory=asyncio.Event)
     stdin: asyncio.Queue[tuple[str, Any]] = field(default_factory=asyncio.Queue)
     exit: dict[str, Any] | None = None
     ended_at: float | None = None
@@ -71,6 +74,10 @@ class LiveProcess:
 
     def __post_init__(self) -> None:
         self.may_read.set()
+
+    def post(self, channel: str | None, msg: dict[str, Any]) -> None:
+        self.outbox.append((channel, msg))
+        self.outbox_ready.set()
 
 
 class Bridge:
@@ -209,8 +216,8 @@ class Bridge:
 
     def _output(self, lp: LiveProcess, stream: str, data: bytes) -> None:
         offset = lp.ring.append(stream, data)
-        lp.outbox.put_nowait(
-            (None, {"type": streams.OUTPUT, "key": lp.key, "offset": offset, "stream": stream, "data": data})
+        lp.post(
+            None, {"type": streams.OUTPUT, "key": lp.key, "offset": offset, "stream": stream, "data": data}
         )
         self._update_flow(lp)
 
@@ -222,19 +229,26 @@ class Bridge:
         )
         lp.ended_at = time.monotonic()
         lp.may_read.set()
-        lp.outbox.put_nowait(
-            (None, {"type": streams.EXIT, "key": lp.key, "end": lp.ring.end, "exit": lp.exit})
-        )
+        lp.post(None, {"type": streams.EXIT, "key": lp.key, "end": lp.ring.end, "exit": lp.exit})
         with contextlib.suppress(Exception):
             lp.process.close()
         duration_ms = (lp.ended_at - lp.started) * 1000.0
         asyncio.ensure_future(asyncio.to_thread(_record_end, lp.key, lp.exit, lp.ring, duration_ms))
 
     async def _send_loop(self, lp: LiveProcess) -> None:
-        """One sender per process keeps its messages in order: replays and live chunks alike."""
+        """One sender per process keeps its messages in order: replays and live chunks alike.
+        When output comes faster than the layer takes it (a PTY in gVisor hands over a few
+        bytes per read), contiguous chunks queued for the same destination go as one message:
+        latency stays one message when idle, throughput grows with the backlog."""
         group = streams.proc_group(lp.key)
         while True:
-            channel, msg = await lp.outbox.get()
+            if not lp.outbox:
+                lp.outbox_ready.clear()
+                await lp.outbox_ready.wait()
+                continue
+            channel, msg = lp.outbox.popleft()
+            if msg["type"] == streams.OUTPUT:
+                msg = _coalesce(lp.outbox, channel, msg)
             try:
                 if channel is None:
                     await self.layer.group_send(group, msg)
@@ -249,43 +263,15 @@ class Bridge:
         if msg.get("live"):
             offset = lp.ring.end
         lp.viewers[reply] = Viewer(flow=bool(msg.get("flow")), acked=max(offset, lp.ring.start))
-        lp.outbox.put_nowait(
-            (reply, {"type": streams.SYNCED, "key": lp.key, "start": max(lp.ring.start, offset),
-                     "end": lp.ring.end, "exit": lp.exit})
-        )  # fmt: skip
-        batch: list[tuple[int, str, bytes]] = []
-        size = 0
-        for chunk in lp.ring.since(offset):
-            batch.append(chunk)
-            size += len(chunk[2])
-            if size >= REPLAY_MESSAGE_BYTES:
-                self._queue_replay(lp, reply, batch)
-                batch, size = [], 0
-        if batch:
-            self._queue_replay(lp, reply, batch)
-        self._update_flow(lp)
-
-    def _queue_replay(self, lp: LiveProcess, reply: str, batch: list[tuple[int, str, bytes]]) -> None:
-        # Consecutive chunks of one stream merge into one message.
-        merged: list[tuple[int, str, bytearray]] = []
-        for off, stream, data in batch:
-            if merged and merged[-1][1] == stream and merged[-1][0] + len(merged[-1][2]) == off:
-                merged[-1][2].extend(data)
-            else:
-                merged.append((off, stream, bytearray(data)))
-        for off, stream, data in merged:
-            lp.outbox.put_nowait(
-                (
-                    reply,
-                    {
-                        "type": streams.OUTPUT,
-                        "key": lp.key,
-                        "offset": off,
-                        "stream": stream,
-                        "data": bytes(data),
-                    },
-                )
+        lp.post(reply, {"type": streams.SYNCED, "key": lp.key, "start": max(lp.ring.start, offset),
+                        "end": lp.ring.end, "exit": lp.exit})  # fmt: skip
+        # The replay goes through the same ordered sender (which merges it into large messages),
+        # so live chunks queued after it cannot overtake it.
+        for off, stream, data in lp.ring.since(offset):
+            lp.post(
+                reply, {"type": streams.OUTPUT, "key": lp.key, "offset": off, "stream": stream, "data": data}
             )
+        self._update_flow(lp)
 
     def _update_flow(self, lp: LiveProcess) -> None:
         if lp.exit is not None:
@@ -330,6 +316,26 @@ class Bridge:
                     for task in lp.tasks:
                         task.cancel()
                     del self.procs[key]
+
+
+def _coalesce(
+    outbox: deque[tuple[str | None, dict[str, Any]]], channel: str | None, msg: dict[str, Any]
+) -> dict[str, Any]:
+    data: bytearray | None = None
+    end = msg["offset"] + len(msg["data"])
+    while outbox:
+        next_channel, nxt = outbox[0]
+        if (
+            next_channel != channel or nxt["type"] != streams.OUTPUT or nxt["stream"] != msg["stream"]
+            or nxt["offset"] != end or end - msg["offset"] >= COALESCE_BYTES
+        ):  # fmt: skip
+            break
+        outbox.popleft()
+        if data is None:
+            data = bytearray(msg["data"])
+        data += nxt["data"]
+        end += len(nxt["data"])
+    return msg if data is None else {**msg, "data": bytes(data)}
 
 
 # -- rows (run in a thread) -------------------------------------------------------------------

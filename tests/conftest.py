@@ -18,7 +18,7 @@ import pytest
 from runtime.launchers.agent.build import agent_binary
 from runtime.launchers.images import ImageStore
 
-from .support import free_port, wait_until
+from .support import die_with_parent, free_port, wait_until
 
 ROOT = Path(__file__).resolve().parent.parent
 logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per request drowns the failures
@@ -87,7 +87,7 @@ def celery_worker(service_env) -> Iterator[subprocess.Popen]:
         [sys.executable, "-m", "celery", "-A", "dashboard", "worker", "-Q", f"control,node.{settings.HANGAR_NODE_NAME}",
          "-n", f"{settings.HANGAR_NODE_NAME}@%h", "--pool", "threads", "--concurrency", "16", "--loglevel", "INFO",
          "--without-gossip", "--without-mingle", "--without-heartbeat"],
-        cwd=ROOT, env=service_env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+        cwd=ROOT, env=service_env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=die_with_parent,
     )  # fmt: skip
     wait_until(
         lambda: b"ready." in log_path.read_bytes() or proc.poll() is not None, 60, what="celery worker"
@@ -106,7 +106,7 @@ def bridge(service_env) -> Iterator[subprocess.Popen]:
     log = open(log_path, "wb")
     proc = subprocess.Popen(
         [sys.executable, "-m", "dashboard.cli", "bridge"],
-        cwd=ROOT, env=service_env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+        cwd=ROOT, env=service_env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=die_with_parent,
     )  # fmt: skip
     wait_until(lambda: b"listening on" in log_path.read_bytes() or proc.poll() is not None, 60, what="bridge")
     assert proc.poll() is None, log_path.read_text()
@@ -124,7 +124,7 @@ def server(service_env) -> Iterator[str]:
     log = open(log_path, "wb")
     proc = subprocess.Popen(
         [sys.executable, "-m", "daphne", "-b", "127.0.0.1", "-p", str(port), "dashboard.asgi:application"],
-        cwd=ROOT, env=service_env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+        cwd=ROOT, env=service_env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=die_with_parent,
     )  # fmt: skip
     url = f"http://127.0.0.1:{port}"
 

@@ -33,3 +33,12 @@ def wait_until(
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout}s waiting for {what}")
         time.sleep(interval)
+
+
+def die_with_parent() -> None:
+    """In a service's child: get SIGTERM when pytest goes, even if it is killed before its
+    fixtures tear down, so no worker is left to steal a later run's tasks."""
+    import ctypes
+    import signal
+
+    ctypes.CDLL(None).prctl(1, signal.SIGTERM, 0, 0, 0)  # PR_SET_PDEATHSIG

@@ -150,7 +150,9 @@ async def ndjson_events(
                 yield _line({"type": "exit", **event[1]})
     finally:
         if kill_on_close and not finished:
-            await proc_svc.process_send(node_name=follow.target.node_name, key=follow.target.key, kind=streams.KILL)
+            await proc_svc.process_send(
+                node_name=follow.target.node_name, key=follow.target.key, kind=streams.KILL
+            )
 
 
 def _line(obj: dict[str, Any]) -> bytes:
@@ -217,7 +219,9 @@ async def process_signal(request: HttpRequest, sandbox_id: str, process_id: int,
     number = proc_svc.signal_number(payload.signal)
     _require_live(row)
     target = _target(sandbox, row)
-    await proc_svc.process_send(node_name=target.node_name, key=target.key, kind=streams.SIGNAL, signal=number)
+    await proc_svc.process_send(
+        node_name=target.node_name, key=target.key, kind=streams.SIGNAL, signal=number
+    )
     return 202, None
 
 

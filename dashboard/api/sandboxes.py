@@ -201,7 +201,9 @@ async def _exec_live(request: HttpRequest, sandbox_id: str, payload: ExecIn):
 
     from .processes import ndjson_events, ndjson_response
 
-    sandbox = await blocking(lambda: Sandbox.objects.select_related("node").get(pk=_get(request, sandbox_id).pk))()
+    sandbox = await blocking(
+        lambda: Sandbox.objects.select_related("node").get(pk=_get(request, sandbox_id).pk)
+    )()
     timeout_s = payload.timeout_s if payload.timeout_s is not None else (None if payload.background else 60)
     row = await proc_svc.process_start(
         sandbox=sandbox, cmd=payload.cmd, kind=Exec.Kind.BACKGROUND if payload.background else Exec.Kind.STREAM,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import signal as signal_module
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
@@ -29,6 +30,8 @@ START_TIMEOUT_S = 15.0
 # A follower that hears nothing for this long checks the row (did the bridge go away?).
 FOLLOW_IDLE_S = 30.0
 MAX_INLINE_STDIN = 1024 * 1024
+ACK_EVERY_BYTES = 64 * 1024
+ACK_EVERY_S = 0.05
 DEFAULT_SHELL = [
     "/bin/sh", "-c",
     'if command -v bash >/dev/null 2>&1; then exec bash -l; else exec sh -l; fi',
@@ -92,7 +95,7 @@ def _node_name(sandbox: Sandbox) -> str:
 async def _bridge_start(sandbox: Sandbox, key: str, fields: dict[str, Any]) -> int:
     """Ask the sandbox's node to start a live process; returns its pid inside the sandbox."""
     layer = _layer()
-    reply = await layer.new_channel("hangar.start.")
+    reply = await layer.new_channel()
     message = {
         "type": streams.START, "key": key, "reply": reply, "sandbox_id": sandbox.id,
         "runtime": sandbox.runtime, "handle": sandbox.handle, **fields,
@@ -267,20 +270,30 @@ class ProcessFollow:
         self.follow = follow  # False: what is there now, then stop (no exit event if still running)
         self.channel = ""
         self._layer = _layer()
+        self._acked, self._acked_at = self.offset, time.monotonic()
 
     async def _send(self, kind: str, **fields: Any) -> None:
         await process_send(node_name=self.target.node_name, key=self.target.key, kind=kind, **fields)
 
     async def ack(self, offset: int) -> None:
         if self.channel:
+            self._acked, self._acked_at = offset, time.monotonic()
             await self._send(streams.ACK, reply=self.channel, offset=offset)
+
+    async def _auto_ack(self, offset: int) -> None:
+        # One ack per chunk would double the messages; every 64 KiB (well under the bridge's
+        # low watermark) or 50 ms keeps the command flowing at a fraction of the cost.
+        if offset - self._acked >= ACK_EVERY_BYTES or time.monotonic() - self._acked_at >= ACK_EVERY_S:
+            await self.ack(offset)
 
     async def _attach(self, offset: int, live: bool = False) -> None:
         await self._send(streams.ATTACH, reply=self.channel, offset=offset, live=live, flow=self.flow)
 
     async def __aiter__(self) -> AsyncIterator[tuple[Any, ...]]:
         layer = self._layer
-        self.channel = await layer.new_channel("hangar.follow.")
+        # The default prefix on purpose: channels_redis reads all of a process's own channels
+        # through one Redis list, and a second prefix would wait forever behind the first.
+        self.channel = await layer.new_channel()
         group = streams.proc_group(self.target.key)
         follower = streams.Follower(want=self.offset)
         retried = False
@@ -313,7 +326,7 @@ class ProcessFollow:
                     else:
                         yield event
                         if event[0] == "output" and self.flow and self.auto_ack:
-                            await self.ack(event[3])
+                            await self._auto_ack(event[3])
                 if (
                     not self.follow and not follower.done and not follower.syncing
                     and follower.sync_end is not None and follower.want >= follower.sync_end

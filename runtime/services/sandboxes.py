@@ -241,7 +241,9 @@ def sandbox_stop(*, sandbox: Sandbox, reason: str = "stopped") -> None:
         return
     if sandbox.status == S.DELETED:
         raise Conflict(f"sandbox {sandbox.id} is deleted", status=sandbox.status)
-    moved = transition(sandbox.id, to=S.STOPPING, frm=[S.PENDING, S.STARTING, S.RUNNING, S.FAILED], reason=reason)
+    moved = transition(
+        sandbox.id, to=S.STOPPING, frm=[S.PENDING, S.STARTING, S.RUNNING, S.FAILED], reason=reason
+    )
     if not moved:
         return
     if sandbox.node_id is None:

@@ -53,7 +53,10 @@ def test_streamed_exec_keeps_multibyte_characters_whole_and_can_send_base64(api,
     events = ndjson(api, "POST", f"/sandboxes/{sandbox}/exec", json={"cmd": cmd, "stream": True})
     assert "".join(e["data"] for e in events if e["type"] == "stdout") == "é\n"
     events = ndjson(
-        api, "POST", f"/sandboxes/{sandbox}/exec", json={"cmd": "printf '\\001\\377'", "stream": True, "encoding": "base64"}
+        api,
+        "POST",
+        f"/sandboxes/{sandbox}/exec",
+        json={"cmd": "printf '\\001\\377'", "stream": True, "encoding": "base64"},
     )
     assert [e["data"] for e in events if e["type"] == "stdout"] == ["Af8="]
 
@@ -76,7 +79,10 @@ def test_hanging_up_a_streamed_exec_kills_the_command(api, sandbox):
 
 def test_background_process_returns_at_once_and_can_be_followed(api, sandbox):
     t = time.monotonic()
-    r = api.post(f"/sandboxes/{sandbox}/exec", json={"cmd": "for i in 1 2 3; do echo tick $i; sleep 0.5; done", "background": True})
+    r = api.post(
+        f"/sandboxes/{sandbox}/exec",
+        json={"cmd": "for i in 1 2 3; do echo tick $i; sleep 0.5; done", "background": True},
+    )
     assert r.status_code == 202 and time.monotonic() - t < 1.2
     proc = r.json()
     assert proc["status"] == "running" and proc["pid"] > 0
@@ -96,9 +102,13 @@ def test_background_process_returns_at_once_and_can_be_followed(api, sandbox):
 
 
 def test_background_process_live_output_only_and_no_follow(api, sandbox):
-    proc = api.post(f"/sandboxes/{sandbox}/exec", json={"cmd": "echo early; sleep 1; echo late", "background": True}).json()
+    proc = api.post(
+        f"/sandboxes/{sandbox}/exec", json={"cmd": "echo early; sleep 1; echo late", "background": True}
+    ).json()
     time.sleep(0.4)
-    snapshot = ndjson(api, "GET", f"/sandboxes/{sandbox}/processes/{proc['id']}/output", params={"follow": False})
+    snapshot = ndjson(
+        api, "GET", f"/sandboxes/{sandbox}/processes/{proc['id']}/output", params={"follow": False}
+    )
     assert [e["data"] for e in snapshot if e["type"] == "stdout"] == ["early\n"]
     assert not any(e["type"] == "exit" for e in snapshot)
     live = ndjson(api, "GET", f"/sandboxes/{sandbox}/processes/{proc['id']}/output", params={"live": True})
@@ -106,7 +116,9 @@ def test_background_process_live_output_only_and_no_follow(api, sandbox):
 
 
 def test_background_process_stdin_and_signals(api, sandbox):
-    cat = api.post(f"/sandboxes/{sandbox}/exec", json={"cmd": ["cat"], "background": True, "stdin_open": True}).json()
+    cat = api.post(
+        f"/sandboxes/{sandbox}/exec", json={"cmd": ["cat"], "background": True, "stdin_open": True}
+    ).json()
     url = f"/sandboxes/{sandbox}/processes/{cat['id']}"
     assert api.post(f"{url}/stdin", json={"data": "hello\n"}).status_code == 202
     assert api.post(f"{url}/stdin", json={"data_b64": "d29ybGQK", "close": True}).status_code == 202
@@ -125,7 +137,9 @@ def test_background_process_stdin_and_signals(api, sandbox):
 
 
 def test_background_timeout_is_the_commands_own_not_the_sandboxes(api, sandbox):
-    timed = api.post(f"/sandboxes/{sandbox}/exec", json={"cmd": "sleep 30", "background": True, "timeout_s": 1}).json()
+    timed = api.post(
+        f"/sandboxes/{sandbox}/exec", json={"cmd": "sleep 30", "background": True, "timeout_s": 1}
+    ).json()
     forever = api.post(f"/sandboxes/{sandbox}/exec", json={"cmd": "sleep 30", "background": True}).json()
     assert forever and api.get(f"/sandboxes/{sandbox}/processes/{forever['id']}").json()["timeout_s"] is None
     url = f"/sandboxes/{sandbox}/processes/{timed['id']}"

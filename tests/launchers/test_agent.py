@@ -389,6 +389,24 @@ def test_tty_resize_is_seen_by_stty(client: AgentClient) -> None:
     assert rest[-1] == ("exit", ExitInfo(0, 0, False))
 
 
+def test_tty_ctrl_c_interrupts_the_foreground_command(client: AgentClient) -> None:
+    """^C typed into the terminal is a SIGINT for the foreground process group, as in a
+    real terminal, even while the command floods its output."""
+    with client.open_process(
+        ["sh", "-c", "trap 'echo trapped' INT; echo go; yes >/dev/null; echo after-$?"], tty=True
+    ) as proc:
+        events = proc.events()
+        buf = b""
+        while b"go" not in buf:
+            buf += next(events)[1]  # type: ignore[operator]
+        time.sleep(0.3)
+        proc.send_stdin(b"\x03")
+        rest = list(events)
+    output = b"".join(d for k, d in rest if k == "stdout")
+    assert b"after-130" in output, output
+    assert rest[-1] == ("exit", ExitInfo(0, 0, False))
+
+
 def test_many_concurrent_execs_are_all_correct(client: AgentClient) -> None:
     def run(i: int) -> tuple[int, bytes, bytes, int]:
         r = client.exec(

@@ -22,6 +22,8 @@ from runtime.launchers.base import (
     ExecRequest,
     FileOpError,
     Launcher,
+    ProcessExit,
+    ProcessRequest,
     SandboxNotRunning,
     SandboxSpec,
 )
@@ -351,3 +353,51 @@ def test_states_reports_every_sandbox_at_once(launcher, make_sandbox):
     states = launcher.states()
     assert states[alive["id"]].status == "running"
     assert states[dying["id"]].status in ("stopped", "missing")
+
+
+def _read_until(events, needle: bytes, limit: int = 1 << 20) -> bytes:
+    buf = b""
+    while needle not in buf:
+        kind, data = next(events)
+        assert kind == "stdout", (kind, data, buf)
+        buf += data
+        assert len(buf) < limit, buf[-200:]
+    return buf
+
+
+def test_live_process_with_a_tty_takes_input_resize_and_ctrl_c(launcher, sandbox):
+    req = ProcessRequest(
+        argv=["sh", "-c", "trap 'echo trapped' INT; stty size; read x; echo got-$x; stty size; busybox sleep 30; echo after-$?"],
+        tty=True, rows=20, cols=70,
+    )  # fmt: skip
+    proc = launcher.open_process(sandbox, req)
+    try:
+        events = proc.events()
+        _read_until(events, b"20 70")
+        proc.resize(40, 120)
+        proc.send_stdin(b"hello\n")
+        _read_until(events, b"40 120")
+        proc.send_stdin(b"\x03")  # the terminal's ^C: SIGINT to the foreground group
+        rest = list(events)
+    finally:
+        proc.close()
+    output = b"".join(d for k, d in rest if k == "stdout")
+    assert b"after-130" in output, output
+    assert rest[-1] == ("exit", ProcessExit(0, 0, False))
+
+
+def test_live_process_without_a_tty_streams_and_takes_signals(launcher, sandbox):
+    proc = launcher.open_process(
+        sandbox, ProcessRequest(argv=["sh", "-c", "echo ready; cat; echo err >&2; sleep 30"])
+    )
+    try:
+        events = proc.events()
+        assert next(events) == ("stdout", b"ready\n")
+        proc.send_stdin(b"echoed")
+        assert next(events) == ("stdout", b"echoed")
+        proc.close_stdin()
+        assert next(events) == ("stderr", b"err\n")
+        proc.send_signal(15)
+        assert list(events)[-1] == ("exit", ProcessExit(143, 15, False))
+    finally:
+        proc.close()

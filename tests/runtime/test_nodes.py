@@ -12,7 +12,7 @@ from pathlib import Path
 
 from runtime.models import Node, Sandbox, Team
 from runtime.services import sandboxes as svc
-from tests.support import requires_runsc, wait_until
+from tests.support import die_with_parent, requires_runsc, wait_until
 
 ROOT = Path(__file__).resolve().parent.parent.parent
 
@@ -24,7 +24,7 @@ def test_second_node_joins_and_runs_sandboxes(service_env, celery_worker, local_
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(
             [sys.executable, "-m", "dashboard.cli", "node", "--concurrency", "4", "--log-level", "INFO"],
-            cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+            cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=die_with_parent,
         )  # fmt: skip
     try:
         wait_until(lambda: b"ready." in log_path.read_bytes() or proc.poll() is not None, 60, what="node-b")

@@ -1180,6 +1180,11 @@ static int spawn_child(void *arg)
     if (tty_fd >= 0) {
         if (ioctl(tty_fd, TIOCSCTTY, 0) < 0)
             child_fail(sp, STAGE_SETUP, errno);
+        /* Linux makes the new session the terminal's foreground group here by itself; gVisor
+         * does not, and without a foreground group ^C (and ^Z, ^\) signal nobody. */
+        pid_t me = getpid();
+        if (ioctl(tty_fd, TIOCSPGRP, &me) < 0)
+            child_fail(sp, STAGE_SETUP, errno);
         in_fd = out_fd = err_fd = tty_fd;
     }
     /* All our fds are >= 3 (main() made sure 0-2 are taken), so these cannot clobber each
@@ -1211,6 +1216,22 @@ static int open_pty(int *master, int *slave, unsigned short rows, unsigned short
         } else {
             struct winsize ws = {.ws_row = rows, .ws_col = cols};
             ioctl(m, TIOCSWINSZ, &ws);
+            /* A new terminal's modes are whatever the kernel defaults to; gVisor's lack ISIG
+             * (so ^C is a plain byte). Set what a Linux terminal starts with ("stty sane"). */
+            struct termios t;
+            if (tcgetattr(s, &t) == 0) {
+                t.c_iflag |= ICRNL | IXON | IUTF8;
+                t.c_oflag |= OPOST | ONLCR;
+                t.c_lflag |= ISIG | ICANON | ECHO | ECHOE | ECHOK | IEXTEN | ECHOCTL | ECHOKE;
+                t.c_cflag |= CS8 | CREAD;
+                t.c_cc[VINTR] = 3;   /* ^C */
+                t.c_cc[VQUIT] = 28;  /* ^\ */
+                t.c_cc[VERASE] = 127;
+                t.c_cc[VKILL] = 21;  /* ^U */
+                t.c_cc[VEOF] = 4;    /* ^D */
+                t.c_cc[VSUSP] = 26;  /* ^Z */
+                tcsetattr(s, TCSANOW, &t);
+            }
             *master = m;
             *slave = s;
             return 0;
@@ -1219,6 +1240,47 @@ static int open_pty(int *master, int *slave, unsigned short rows, unsigned short
     close(m);
     errno = err;
     return -1;
+}
+
+/* Whether this kernel's terminals ignore ISIG, as gVisor's did until 2023: there ^C reaches
+ * the reader as a byte and nobody is interrupted. Probed on a scratch pty: with ISIG on, Linux
+ * consumes the ^C (no foreground group, so no signal either) and the replica reads nothing. */
+static int pty_lacks_isig(void)
+{
+    int m, s, lacks = 0;
+    if (open_pty(&m, &s, 24, 80) < 0)
+        return 0;
+    struct termios t;
+    if (tcgetattr(s, &t) == 0) {
+        t.c_lflag |= ISIG;
+        t.c_lflag &= (tcflag_t) ~(ICANON | ECHO);
+        t.c_cc[VINTR] = 3;
+        t.c_cc[VMIN] = 0;
+        t.c_cc[VTIME] = 0;
+        char c = 3, r;
+        if (tcsetattr(s, TCSANOW, &t) == 0 && write(m, &c, 1) == 1) {
+            fcntl(s, F_SETFL, fcntl(s, F_GETFL) | O_NONBLOCK);
+            lacks = read(s, &r, 1) == 1;
+        }
+    }
+    close(m);
+    close(s);
+    return lacks;
+}
+
+/* With emulate_isig: the signal a byte typed into the terminal stands for, or 0. */
+static int isig_signal(int master, unsigned char c, struct termios *t)
+{
+    if (!(t->c_lflag & ISIG))
+        return 0;
+    if (c == t->c_cc[VINTR])
+        return SIGINT;
+    if (c == t->c_cc[VQUIT])
+        return SIGQUIT;
+    if (c == t->c_cc[VSUSP])
+        return SIGTSTP;
+    (void)master;
+    return 0;
 }
 
 /* ---- exec: streaming ------------------------------------------------------------------- */
@@ -1243,6 +1305,7 @@ struct exec_io {
     char *tx;
     size_t tx_off, tx_len;
     int exited, timed_out;
+    int emulate_isig; /* the kernel's ptys ignore ISIG: the agent raises ^C's SIGINT itself */
 };
 
 static void kill_group(pid_t pid)
@@ -1363,8 +1426,27 @@ static int exec_rx(struct exec_io *io)
 
 static void exec_write_stdin(struct exec_io *io)
 {
+    struct termios t;
+    int emulate = io->emulate_isig && io->in_fd == io->master && tcgetattr(io->master, &t) == 0;
     while (io->in_fd >= 0 && io->in_off < io->in_len) {
-        ssize_t n = write(io->in_fd, io->in_buf + io->in_off, io->in_len - io->in_off);
+        size_t len = io->in_len - io->in_off;
+        if (emulate) {
+            /* Write up to the next signal character; that one becomes the signal, sent to
+             * the terminal's foreground group (or the command's, if it has none). */
+            size_t i = 0;
+            int sig = 0;
+            for (; i < len; i++)
+                if ((sig = isig_signal(io->master, (unsigned char)io->in_buf[io->in_off + i], &t)))
+                    break;
+            if (i == 0 && sig) {
+                pid_t fg = tcgetpgrp(io->master);
+                kill(fg > 0 ? -fg : -io->pid, sig);
+                io->in_off++;
+                continue;
+            }
+            len = i;
+        }
+        ssize_t n = write(io->in_fd, io->in_buf + io->in_off, len);
         if (n < 0) {
             if (errno == EINTR)
                 continue;
@@ -1628,6 +1710,7 @@ static int start_command(const struct exec_request *x, struct exec_io *io)
         if (open_pty(&io->master, &c_tty, (unsigned short)x->rows, (unsigned short)x->cols) < 0)
             goto failed;
         io->out_fd = io->in_fd = io->master;
+        io->emulate_isig = pty_lacks_isig();
     } else {
         if (pipe2(p, O_CLOEXEC) < 0)
             goto failed;
