@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PORT ?= 8000
 
-.PHONY: up install system-deps venv test lint bench-tti services
+.PHONY: up install system-deps test-deps venv test lint bench-tti bench-dashboard services
 
 up: install
 	$(VENV)/bin/hangar image build busybox
@@ -23,10 +23,13 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q -e '.[test]'
 	@touch $@
 
+test-deps:
+	@scripts/install-test-deps.sh
+
 services:
 	@scripts/ensure-test-services.sh
 
-test: install services
+test: install test-deps services
 	@scripts/run-tests.sh
 
 lint: venv
@@ -35,3 +38,6 @@ lint: venv
 
 bench-tti: install
 	$(PY) bench/tti.py
+
+bench-dashboard: install
+	$(PY) bench/dashboard.py

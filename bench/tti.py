@@ -33,24 +33,9 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from _common import client, destroy_leftovers, start_hangar, summary  # noqa: E402
+
 from runtime.launchers.images import ImageStore  # noqa: E402
-
-
-def pct(values: list[float], p: float) -> float:
-    ordered = sorted(values)
-    k = max(0, min(len(ordered) - 1, round(p / 100 * (len(ordered) - 1))))
-    return ordered[k]
-
-
-def summary(values: list[float]) -> dict[str, float]:
-    return {
-        "n": len(values),
-        "median_s": statistics.median(values),
-        "p95_s": pct(values, 95),
-        "min_s": min(values),
-        "max_s": max(values),
-    }
-
 
 # -- (a) raw runsc ----------------------------------------------------------------------------
 
@@ -221,45 +206,6 @@ def wait_all_deleted(api: httpx.Client, timeout: float = 120) -> None:
         time.sleep(0.2)
 
 
-def client(url: str, token: str) -> httpx.Client:
-    return httpx.Client(base_url=f"{url}/api/v1", headers={"Authorization": f"Bearer {token}"}, timeout=120)
-
-
-def start_hangar(data_dir: Path, port: int) -> tuple[subprocess.Popen[str], str]:
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if k not in ("DATABASE_URL", "REDIS_URL", "DJANGO_SETTINGS_MODULE")
-    }
-    # 20 sandboxes of 1 cpu at once on a 2-core machine: let the scheduler overcommit that far.
-    env.update(HANGAR_DATA_DIR=str(data_dir), PYTHONUNBUFFERED="1", HANGAR_CPU_OVERCOMMIT="16")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "dashboard.cli", "up", "--port", str(port)],
-        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )  # fmt: skip
-    token = ""
-    assert proc.stdout is not None
-    for line in proc.stdout:
-        if "API token" in line:
-            token = line.split(": ", 1)[1].strip()
-        if "Press Ctrl-C" in line:
-            break
-    threading.Thread(target=lambda: [None for _ in proc.stdout], daemon=True).start()  # type: ignore[union-attr]
-    if not token:
-        raise RuntimeError("hangar up did not print an API token")
-    deadline = time.monotonic() + 60
-    while True:
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/api/v1/health", timeout=2).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        if time.monotonic() > deadline:
-            raise RuntimeError("hangar up did not answer within 60 s")
-        time.sleep(0.1)
-    return proc, token
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -282,8 +228,8 @@ def main() -> int:
         raw_conc = raw_runsc_concurrent(args.n, work)
         url, token = args.url, args.token
         if not url:
-            proc, token = start_hangar(work / "data", args.port)
-            url = f"http://127.0.0.1:{args.port}"
+            hangar = start_hangar(work / "data", args.port)
+            proc, token, url = hangar.proc, hangar.token, hangar.url
         created: list[str] = []
         with client(url, token) as api:
             hangar_once(api, created)  # warm-up: first-use costs (agent build, caches) are not TTI
@@ -318,12 +264,7 @@ def main() -> int:
         if proc is not None:
             proc.send_signal(signal.SIGINT)
             proc.wait(60)
-            # Whatever a failed run left behind must not outlive the bench's data dir.
-            from runtime.launchers.gvisor import GVisorLauncher
-
-            launcher = GVisorLauncher(state_dir=work / "data" / "runtime" / "gvisor")
-            for sandbox_id in launcher.list():
-                launcher.destroy_id(sandbox_id)
+            destroy_leftovers(work / "data")
         shutil.rmtree(work, ignore_errors=True)
 
     def row(name: str, s: dict[str, float] | None, unit: float = 1.0, label: str = "s") -> str:

@@ -224,15 +224,15 @@ class Bridge:
     def _ended(self, lp: LiveProcess, info: dict[str, Any] | None, error: str) -> None:
         if lp.exit is not None:
             return
+        lp.ended_at = time.monotonic()
+        duration_ms = (lp.ended_at - lp.started) * 1000.0
         lp.exit = (
             info if info is not None else {"exit_code": None, "signal": 0, "timed_out": False, "error": error}
-        )
-        lp.ended_at = time.monotonic()
+        ) | {"duration_ms": round(duration_ms, 1)}
         lp.may_read.set()
         lp.post(None, {"type": streams.EXIT, "key": lp.key, "end": lp.ring.end, "exit": lp.exit})
         with contextlib.suppress(Exception):
             lp.process.close()
-        duration_ms = (lp.ended_at - lp.started) * 1000.0
         asyncio.ensure_future(asyncio.to_thread(_record_end, lp.key, lp.exit, lp.ring, duration_ms))
 
     async def _send_loop(self, lp: LiveProcess) -> None:

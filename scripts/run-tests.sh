@@ -5,7 +5,10 @@ cd "$(dirname "$0")/.."
 VENV=${VENV:-.venv}
 $VENV/bin/ruff check dashboard runtime tests bench || exit 1
 HANGAR_DATA_DIR=$(mktemp -d) DATABASE_URL= REDIS_URL= $VENV/bin/python manage.py makemigrations --check --dry-run >/dev/null || { echo "missing migrations" >&2; exit 1; }
-HANGAR_TEST_BASE_IMAGE=${HANGAR_TEST_BASE_IMAGE-1} $VENV/bin/python -m pytest "$@"
+# Each test has its own limit (pyproject's timeout); this one bounds the run as a whole.
+HANGAR_TEST_BASE_IMAGE=${HANGAR_TEST_BASE_IMAGE-1} timeout --kill-after=60 "${HANGAR_TEST_RUN_LIMIT_S:-3600}" \
+    $VENV/bin/python -m pytest "$@"
 rc=$?
 if [ $rc -eq 5 ]; then echo "pytest collected no tests: failing" >&2; exit 1; fi
+if [ $rc -eq 124 ] || [ $rc -eq 137 ]; then echo "the test run went past its limit: failing" >&2; exit 1; fi
 exit $rc

@@ -137,8 +137,8 @@ def test_yes_flat_out_then_ctrl_c_gives_the_prompt_back(terminal, team_token):
         sent_at = time.monotonic()
         await comm.send_to(bytes_data=b"\x03")
         tail = await read_until(comm, b"^C", timeout=10, acks=True)
-        tail += await read_until(comm, PROMPT, timeout=10, acks=True)
-        assert PROMPT in tail
+        if PROMPT not in tail.rpartition(b"^C")[2]:  # the prompt may come in the same frame
+            tail += await read_until(comm, PROMPT, timeout=10, acks=True)
         answered = time.monotonic() - sent_at
         # Recorded, not asserted as a target: bench/ measures it; here it only must not hang.
         print(f"prompt back {answered:.2f} s after Ctrl-C, {received} bytes of yes before it")
@@ -159,16 +159,21 @@ def test_unacknowledged_output_holds_the_command_back(terminal, team_token):
         await read_until(comm, PROMPT, acks=True)
         await comm.send_to(bytes_data=b"yes\n")
         received = 0
-        deadline = time.monotonic() + 3
+        deadline = time.monotonic() + 5
+        stalled = False
         while time.monotonic() < deadline:
-            try:
-                msg = await comm.receive_output(0.5)
-            except TimeoutError:
+            # (receive_output's timeout would cancel the consumer: peek instead)
+            if await comm.receive_nothing(timeout=0.7):
+                stalled = True
                 break
+            msg = await comm.receive_output()
             received += len(msg.get("bytes") or b"")
         # Nothing acknowledged: the bridge stopped reading after its high watermark; what
         # arrived is bounded by that plus what was already in flight.
+        assert stalled, f"output kept coming without acknowledgements: {received} bytes"
         assert 0 < received < 2 * 1024 * 1024, received
+        # The viewer catches up (acknowledges all it has), then interrupts the command.
+        await comm.send_to(text_data=json.dumps({"type": "ack", "bytes": received}))
         await comm.send_to(bytes_data=b"\x03")
         await read_until(comm, PROMPT, timeout=15, acks=True)
         await comm.disconnect()

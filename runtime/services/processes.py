@@ -355,6 +355,8 @@ def _exit_of(row: Exec | None) -> dict[str, Any]:
     if row is None:
         return {"exit_code": None, "signal": 0, "timed_out": False, "error": "the process is gone"}
     info: dict[str, Any] = {"exit_code": row.exit_code, "signal": row.signal, "timed_out": row.timed_out}
+    if row.duration_ms is not None:
+        info["duration_ms"] = round(row.duration_ms, 1)
     if row.error:
         info["error"] = row.error
     return info

@@ -90,7 +90,7 @@
       this.append("note", "\n[" + msg.bytes + " bytes of output skipped]\n");
     } else if (msg.type === "exit") {
       if (msg.error) this.append("stderr", (this.chars ? "\n" : "") + msg.error + "\n");
-      this.finish(exitBadge(msg));
+      this.finish(exitBadge(msg), msg.duration_ms);
       this.updateHistory(msg);
     } else if (msg.type === "error") {
       this.append("stderr", msg.message || "error");
@@ -129,9 +129,23 @@
     this.exitEl.appendChild(node);
   };
 
-  Follower.prototype.finish = function (node) {
+  // As the server formats it (dashboard/views.py _duration): "850 ms", "12.3 s", "4 min 5 s".
+  function formatDuration(ms) {
+    if (ms === null || ms === undefined) return "";
+    if (ms < 1000) return Math.round(ms) + " ms";
+    if (ms < 60000) return (ms / 1000).toFixed(1) + " s";
+    return Math.floor(ms / 60000) + " min " + Math.floor((ms % 60000) / 1000) + " s";
+  }
+
+  Follower.prototype.finish = function (node, durationMs) {
     this.done = true;
     this.setExit(node);
+    if (durationMs !== undefined && this.exitEl) {
+      var d = document.createElement("span");
+      d.className = "muted";
+      d.textContent = " " + formatDuration(durationMs);
+      this.exitEl.appendChild(d);
+    }
     this.el.dataset.state = "exited";
     if (!this.chars) this.append("note", "(no output)");
   };
@@ -146,6 +160,8 @@
       cell.textContent = "";
       cell.appendChild(exitBadge(msg));
     }
+    var duration = row.querySelector(".duration");
+    if (duration && msg.duration_ms !== undefined) duration.textContent = formatDuration(msg.duration_ms);
   };
 
   Follower.prototype.dispose = function () {

@@ -367,7 +367,7 @@ def _read_until(events, needle: bytes, limit: int = 1 << 20) -> bytes:
 
 def test_live_process_with_a_tty_takes_input_resize_and_ctrl_c(launcher, sandbox):
     req = ProcessRequest(
-        argv=["sh", "-c", "trap 'echo trapped' INT; stty size; read x; echo got-$x; stty size; busybox sleep 30; echo after-$?"],
+        argv=["sh", "-c", "trap 'echo trapped' INT; stty size; read x; echo got-$x; stty size; sh -c 'echo sleeping; exec sleep 30'; echo after-$?"],
         tty=True, rows=20, cols=70,
     )  # fmt: skip
     proc = launcher.open_process(sandbox, req)
@@ -376,7 +376,7 @@ def test_live_process_with_a_tty_takes_input_resize_and_ctrl_c(launcher, sandbox
         _read_until(events, b"20 70")
         proc.resize(40, 120)
         proc.send_stdin(b"hello\n")
-        _read_until(events, b"40 120")
+        assert b"40 120" in _read_until(events, b"sleeping")  # sleeping: from what becomes sleep
         proc.send_stdin(b"\x03")  # the terminal's ^C: SIGINT to the foreground group
         rest = list(events)
     finally:
@@ -384,6 +384,31 @@ def test_live_process_with_a_tty_takes_input_resize_and_ctrl_c(launcher, sandbox
     output = b"".join(d for k, d in rest if k == "stdout")
     assert b"after-130" in output, output
     assert rest[-1] == ("exit", ProcessExit(0, 0, False))
+
+
+def test_ctrl_c_reaches_an_interactive_shells_foreground_job_while_it_floods(launcher, sandbox):
+    """An interactive shell puts each job in its own process group and makes it the
+    terminal's foreground group: ^C must stop that job (not the shell), echo "^C" and give
+    the prompt back, even while the job floods the terminal faster than it is read."""
+    proc = launcher.open_process(
+        sandbox, ProcessRequest(argv=["sh", "-i"], tty=True, env={"PS1": "READY$ "})
+    )
+    try:
+        events = proc.events()
+        _read_until(events, b"READY$ ")
+        proc.send_stdin(b"yes\n")
+        _read_until(events, b"y\r\n" * 200)
+        proc.send_stdin(b"\x03")
+        started = time.monotonic()
+        tail = b""
+        while b"READY$ " not in tail[-200:]:
+            assert time.monotonic() - started < 20, tail[-300:]
+            tail += next(events)[1]  # type: ignore[operator]
+        assert b"^C" in tail
+        proc.send_stdin(b"echo alive-$((40+2))\n")
+        _read_until(events, b"alive-42")
+    finally:
+        proc.close()
 
 
 def test_live_process_without_a_tty_streams_and_takes_signals(launcher, sandbox):

@@ -1066,6 +1066,7 @@ struct spawn {
     const char *cwd;
     int chdir_needed; /* 0 when cwd is where the agent already is */
     int in_fd, out_fd, err_fd, tty_fd;
+    int isig_fd; /* with a tty on a kernel that ignores ISIG: the isig helper's end, or -1 */
     struct exec_failure fail; /* stage 0: the child exec'd (or was killed first) */
 };
 
@@ -1157,6 +1158,54 @@ static void child_fail(struct spawn *sp, int stage, int err)
     _exit(127);
 }
 
+/* The isig helper: on a kernel whose terminals ignore ISIG (gVisor before 2023) the agent
+ * raises ^C's signal itself, but the foreground process group it must go to can only be
+ * read by a process of the terminal's session: there TIOCGPGRP on the master fails, /proc
+ * shows no tpgid and /dev/tty cannot be opened. So a tty command's child leaves this behind
+ * in its session before it execs: it keeps only its socket to the agent and the terminal,
+ * ignores the job-control and terminal signals, and for each request {signal, character}
+ * signals the terminal's foreground group, flushes unread output and echoes "^C" as the
+ * kernel would. The agent closes the socket as soon as the command exits, and the helper
+ * goes, so its copy of the terminal does not delay the hang-up; it is in the command's
+ * process group too, which the agent kills at the end. It runs in its own copy of the
+ * address space (clone without CLONE_VM), so it only makes plain syscalls. */
+static int isig_helper(void *arg)
+{
+    const struct spawn *sp = arg;
+    int fd = sp->isig_fd, t = sp->tty_fd;
+    static const int ignored[] = {SIGINT, SIGQUIT, SIGTSTP, SIGTTIN, SIGTTOU, SIGHUP, SIGPIPE};
+    for (size_t i = 0; i < sizeof ignored / sizeof ignored[0]; i++)
+        set_handler(ignored[i], SIG_IGN);
+    int lo = fd < t ? fd : t, hi = fd < t ? t : fd;
+    if (lo > 0)
+        close_span(0, lo - 1);
+    if (hi > lo + 1)
+        close_span(lo + 1, hi - 1);
+    close_span(hi + 1, 4095); /* beyond what the agent ever opens */
+    prctl(PR_SET_NAME, "hangar-isig");
+    for (;;) {
+        unsigned char req[2];
+        ssize_t n = read(fd, req, sizeof req);
+        if (n < 0 && errno == EINTR)
+            continue;
+        if (n != (ssize_t)sizeof req)
+            _exit(0);
+        pid_t fg = tcgetpgrp(t);
+        if (fg > 0)
+            kill(-fg, req[0]);
+        struct termios tm;
+        if (tcgetattr(t, &tm) == 0) {
+            if (!(tm.c_lflag & NOFLSH))
+                ioctl(t, TCFLSH, TCOFLUSH); /* what the command wrote and nobody read yet */
+            if ((tm.c_lflag & ECHO) && (tm.c_lflag & ECHOCTL)) {
+                char echo[2] = {'^', (char)(req[1] ^ 0x40)};
+                (void)!write(t, echo, sizeof echo);
+            }
+        }
+    }
+    return 0;
+}
+
 /* In the cloned child: become the command. Never returns. */
 static int spawn_child(void *arg)
 {
@@ -1185,6 +1234,11 @@ static int spawn_child(void *arg)
         pid_t me = getpid();
         if (ioctl(tty_fd, TIOCSPGRP, &me) < 0)
             child_fail(sp, STAGE_SETUP, errno);
+        if (sp->isig_fd >= 0) {
+            /* Without the helper ^C falls back to signalling the command's own group. */
+            static char isig_stack[16 << 10] __attribute__((aligned(16)));
+            clone(isig_helper, isig_stack + sizeof isig_stack, SIGCHLD, sp);
+        }
         in_fd = out_fd = err_fd = tty_fd;
     }
     /* All our fds are >= 3 (main() made sure 0-2 are taken), so these cannot clobber each
@@ -1306,6 +1360,7 @@ struct exec_io {
     size_t tx_off, tx_len;
     int exited, timed_out;
     int emulate_isig; /* the kernel's ptys ignore ISIG: the agent raises ^C's SIGINT itself */
+    int isig_fd;      /* ... through the isig helper in the command's session; -1 if none */
 };
 
 static void kill_group(pid_t pid)
@@ -1439,8 +1494,12 @@ static void exec_write_stdin(struct exec_io *io)
                 if ((sig = isig_signal(io->master, (unsigned char)io->in_buf[io->in_off + i], &t)))
                     break;
             if (i == 0 && sig) {
-                pid_t fg = tcgetpgrp(io->master);
-                kill(fg > 0 ? -fg : -io->pid, sig);
+                unsigned char req[2] = {(unsigned char)sig, (unsigned char)io->in_buf[io->in_off]};
+                pid_t fg = tcgetpgrp(io->master); /* works where the kernel allows it */
+                if (fg > 0)
+                    kill(-fg, sig);
+                else if (io->isig_fd < 0 || write(io->isig_fd, req, sizeof req) != (ssize_t)sizeof req)
+                    kill(-io->pid, sig);
                 io->in_off++;
                 continue;
             }
@@ -1507,7 +1566,9 @@ static void exec_cleanup(struct exec_io *io)
     close_stdin(io);
     if (io->master >= 0)
         close(io->master);
-    io->out_fd = io->err_fd = io->master = -1;
+    if (io->isig_fd >= 0)
+        close(io->isig_fd); /* the helper sees EOF and exits */
+    io->out_fd = io->err_fd = io->master = io->isig_fd = -1;
 }
 
 static int reap(pid_t pid, int *status)
@@ -1579,6 +1640,10 @@ static int exec_stream(struct exec_io *io, int64_t timeout_ms)
         if (!io->exited && child_exited(io->pid)) {
             io->exited = 1;
             drain_deadline = now_ms() + DRAIN_MS;
+            if (io->isig_fd >= 0) {
+                close(io->isig_fd); /* the helper goes, and with it its copy of the terminal */
+                io->isig_fd = -1;
+            }
         }
 
         short rev = p[idx[P_SOCK]].revents;
@@ -1701,7 +1766,7 @@ static int parse_exec(const struct request *r, struct exec_request *x)
 static int start_command(const struct exec_request *x, struct exec_io *io)
 {
     /* The child's ends, closed here once it has them. */
-    int c_in = -1, c_out = -1, c_err = -1, c_tty = -1;
+    int c_in = -1, c_out = -1, c_err = -1, c_tty = -1, c_isig = -1;
     int in_fd, p[2];
     int err = 0;
     pid_t pid = -1;
@@ -1711,6 +1776,11 @@ static int start_command(const struct exec_request *x, struct exec_io *io)
             goto failed;
         io->out_fd = io->in_fd = io->master;
         io->emulate_isig = pty_lacks_isig();
+        if (io->emulate_isig && socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, p) == 0) {
+            io->isig_fd = p[0];
+            c_isig = p[1];
+            fcntl(io->isig_fd, F_SETFL, fcntl(io->isig_fd, F_GETFL) | O_NONBLOCK);
+        }
     } else {
         if (pipe2(p, O_CLOEXEC) < 0)
             goto failed;
@@ -1747,6 +1817,7 @@ static int start_command(const struct exec_request *x, struct exec_io *io)
         .out_fd = c_out,
         .err_fd = c_err,
         .tty_fd = c_tty,
+        .isig_fd = c_isig,
     };
     sigset_t old;
     block_signals(&old);
@@ -1760,7 +1831,7 @@ static int start_command(const struct exec_request *x, struct exec_io *io)
         goto failed;
     }
     io->pid = pid;
-    close_fds((int[]){c_in, c_out, c_err, c_tty}, 4);
+    close_fds((int[]){c_in, c_out, c_err, c_tty, c_isig}, 5);
     struct exec_failure fail = sp.fail; /* complete: the child has exec'd or exited by now */
     if (fail.stage == 0)
         return 0;
@@ -1778,7 +1849,7 @@ static int start_command(const struct exec_request *x, struct exec_io *io)
 
 failed:
     err = errno;
-    close_fds((int[]){c_in, c_out, c_err, c_tty}, 4);
+    close_fds((int[]){c_in, c_out, c_err, c_tty, c_isig}, 5);
     exec_cleanup(io);
     reply_errno(err, "exec setup");
     return -1;
@@ -1790,7 +1861,7 @@ static void op_exec(const struct request *r)
     struct exec_io io;
     memset(&io, 0, sizeof io);
     io.sock = g_out.fd;
-    io.out_fd = io.err_fd = io.in_fd = io.master = -1;
+    io.out_fd = io.err_fd = io.in_fd = io.master = io.isig_fd = -1;
 
     if (parse_exec(r, &x) < 0)
         return;

@@ -1,0 +1,96 @@
+"""What the benchmarks share: percentiles, an API client, and a `hangar up` of their own."""
+
+from __future__ import annotations
+
+import os
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def pct(values: list[float], p: float) -> float:
+    ordered = sorted(values)
+    k = max(0, min(len(ordered) - 1, round(p / 100 * (len(ordered) - 1))))
+    return ordered[k]
+
+
+def summary(values: list[float]) -> dict[str, float]:
+    return {
+        "n": len(values),
+        "median_s": statistics.median(values),
+        "p95_s": pct(values, 95),
+        "min_s": min(values),
+        "max_s": max(values),
+    }
+
+
+def client(url: str, token: str) -> httpx.Client:
+    return httpx.Client(base_url=f"{url}/api/v1", headers={"Authorization": f"Bearer {token}"}, timeout=120)
+
+
+@dataclass
+class Hangar:
+    proc: subprocess.Popen[str]
+    url: str
+    token: str
+    admin: str
+    password: str
+
+
+def start_hangar(data_dir: Path, port: int) -> Hangar:
+    """`hangar up` on the embedded default in ``data_dir``; its first start prints the admin's
+    login and an API token, which this reads."""
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("DATABASE_URL", "REDIS_URL", "DJANGO_SETTINGS_MODULE")
+    }
+    # 20 sandboxes of 1 cpu at once on a 2-core machine: let the scheduler overcommit that far.
+    env.update(HANGAR_DATA_DIR=str(data_dir), PYTHONUNBUFFERED="1", HANGAR_CPU_OVERCOMMIT="16")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "dashboard.cli", "up", "--port", str(port)],
+        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    token = admin = password = ""
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        if "API token" in line:
+            token = line.split(": ", 1)[1].strip()
+        if line.strip().startswith("admin:") and " / " in line:
+            admin, _, rest = line.split(":", 1)[1].strip().partition(" / ")
+            password = rest.split()[0]
+        if "Press Ctrl-C" in line:
+            break
+    threading.Thread(target=lambda: [None for _ in proc.stdout], daemon=True).start()  # type: ignore[union-attr]
+    if not token:
+        raise RuntimeError("hangar up did not print an API token")
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            if httpx.get(f"{url}/api/v1/health", timeout=2).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            raise RuntimeError("hangar up did not answer within 60 s")
+        time.sleep(0.1)
+    return Hangar(proc=proc, url=url, token=token, admin=admin, password=password)
+
+
+def destroy_leftovers(data_dir: Path) -> None:
+    """Whatever a failed run left behind must not outlive the bench's data dir."""
+    sys.path.insert(0, str(ROOT))
+    from runtime.launchers.gvisor import GVisorLauncher
+
+    launcher = GVisorLauncher(state_dir=data_dir / "runtime" / "gvisor")
+    for sandbox_id in launcher.list():
+        launcher.destroy_id(sandbox_id)

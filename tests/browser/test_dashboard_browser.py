@@ -1,0 +1,162 @@
+"""The dashboard in a real browser (Debian's Chromium driven by Playwright), against the real
+server, worker, stream bridge and gVisor sandboxes: what an engineer does on a laptop.
+
+Screenshots of each step land in ``test-artifacts/browser/`` (``HANGAR_TEST_ARTIFACTS``)."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+from collections.abc import Iterator
+
+import pytest
+
+from tests.conftest import ARTIFACTS
+from tests.support import requires_runsc
+
+sync_api = pytest.importorskip("playwright.sync_api", reason="the test extra (pip install -e '.[test]')")
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+
+pytestmark = [
+    requires_runsc,
+    pytest.mark.skipif(CHROMIUM is None, reason="needs Debian's chromium (scripts/install-test-deps.sh)"),
+]
+SHOTS = ARTIFACTS / "browser"
+TIMEOUT_MS = 30_000
+
+
+@pytest.fixture(scope="module")
+def chromium() -> Iterator[sync_api.Browser]:
+    # Playwright's sync API runs an event loop in this thread, which Django's ORM would take
+    # for an async context; the fixtures' database calls are plain synchronous ones.
+    os.environ.setdefault("DJANGO_ALLOW_ASYNC_UNSAFE", "true")
+    SHOTS.mkdir(parents=True, exist_ok=True)
+    with sync_api.sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=CHROMIUM, headless=True, args=["--no-sandbox"])
+        yield browser
+        browser.close()
+
+
+@pytest.fixture
+def page(chromium, server, celery_worker, bridge, local_node, team_token) -> Iterator[sync_api.Page]:
+    context = chromium.new_context(base_url=server, viewport={"width": 1440, "height": 900}, accept_downloads=True)
+    context.set_default_timeout(TIMEOUT_MS)
+    page = context.new_page()
+    errors: list[str] = []
+    page.on("pageerror", lambda exc: errors.append(str(exc)))
+    yield page
+    context.close()
+    assert not errors, f"JavaScript errors on the page: {errors}"
+
+
+def sign_in(page: sync_api.Page) -> None:
+    page.goto("/login/")
+    page.fill("#id_username", "alice")  # the team_token fixture's owner of team "alpha"
+    page.fill("#id_password", "pw")
+    page.click("#login-form button[type=submit]")
+    page.wait_for_url(re.compile(r"/(sandboxes/)?$"))
+
+
+def create_sandbox(page: sync_api.Page) -> str:
+    page.goto("/sandboxes/")
+    page.click("#create-form button[type=submit]")  # the defaults: busybox, 1 CPU, ...
+    page.wait_for_url(re.compile(r"/sandboxes/sb[0-9a-z]+/"))
+    sandbox_id = page.url.rstrip("/").split("/sandboxes/")[1].split("/")[0]
+    page.wait_for_selector('#sb-header[data-status="running"]')
+    return sandbox_id
+
+
+def terminal_text(page: sync_api.Page) -> str:
+    return page.inner_text("#terminal .xterm-rows")
+
+
+def wait_for_terminal(page: sync_api.Page, pattern: str) -> None:
+    page.wait_for_function(
+        "re => new RegExp(re, 'm').test(document.querySelector('#terminal .xterm-rows').innerText)",
+        arg=pattern,
+    )
+
+
+def terminal_size(page: sync_api.Page, tag: str) -> tuple[int, int]:
+    """(rows, cols) as the shell in the terminal sees them."""
+    page.keyboard.type(f"echo {tag}=$(stty size | tr ' ' x)=")
+    page.keyboard.press("Enter")
+    pattern = tag + r"=(\d+)x(\d+)="
+    wait_for_terminal(page, pattern)
+    rows, cols = re.findall(pattern, terminal_text(page))[-1]
+    return int(rows), int(cols)
+
+
+def test_sign_in_create_a_sandbox_and_use_its_terminal(page):
+    sign_in(page)
+    page.screenshot(path=SHOTS / "01-signed-in.png")
+    sandbox_id = create_sandbox(page)
+
+    page.goto(f"/sandboxes/{sandbox_id}/?tab=terminal")
+    page.wait_for_selector('#term-status[data-state="connected"]')
+    page.click("#terminal")
+    page.keyboard.type("echo $((6*7))")
+    page.keyboard.press("Enter")
+    wait_for_terminal(page, r"^42\s*$")  # the shell's answer on a line of its own
+    page.screenshot(path=SHOTS / "02-terminal.png")
+
+    # Reload: the same terminal is still there and its screen comes back.
+    page.reload()
+    page.wait_for_selector('#term-status[data-state="connected"]')
+    wait_for_terminal(page, r"^42\s*$")
+    assert "echo $((6*7))" in terminal_text(page)
+
+    # The terminal follows the window: a bigger window, more rows and columns in the shell.
+    page.set_viewport_size({"width": 1000, "height": 700})
+    narrow = terminal_size(page, "A")
+    page.set_viewport_size({"width": 1600, "height": 1000})
+    page.wait_for_timeout(500)  # the fit addon and the resize message are debounced
+    wide = terminal_size(page, "B")
+    assert wide[0] > narrow[0] and wide[1] > narrow[1], (narrow, wide)
+    page.screenshot(path=SHOTS / "03-terminal-resized.png")
+
+
+def test_commands_tab_streams_output_and_keeps_history(page):
+    sign_in(page)
+    sandbox_id = create_sandbox(page)
+    page.goto(f"/sandboxes/{sandbox_id}/?tab=commands")
+    page.fill("#command-input", "for i in 1 2 3; do echo line-$i; sleep 1; done; echo oops >&2; exit 3")
+    page.click("#command-submit")
+    # The first line shows while the command is still running: streamed, not at the end.
+    page.wait_for_selector("#command-output:has-text('line-1')")
+    assert "line-3" not in page.inner_text("#command-output")
+    page.screenshot(path=SHOTS / "04-command-running.png")
+    page.wait_for_selector("#command-exit:has-text('3')", timeout=20_000)
+    out = page.inner_text("#command-output")
+    assert "line-1" in out and "line-3" in out and "oops" in out
+    assert page.locator("#history-body tr.history-row").count() == 1
+    # Its duration (about 3 s of sleeps) shows with the result, in the view and the history.
+    assert re.search(r"\b3\.\d s\b", page.inner_text("#command-exit")), page.inner_text("#command-exit")
+    assert re.search(r"\b3\.\d s\b", page.inner_text("#history-body tr.history-row .duration"))
+    page.screenshot(path=SHOTS / "05-command-done.png")
+
+
+def test_files_tab_uploads_and_downloads_byte_for_byte(page, tmp_path):
+    sign_in(page)
+    sandbox_id = create_sandbox(page)
+    payload = bytes(range(256)) * 1024 + os.urandom(4096)  # binary, every byte value
+    src = tmp_path / "blob.bin"
+    src.write_bytes(payload)
+
+    page.goto(f"/sandboxes/{sandbox_id}/?tab=files&path=/tmp")
+    page.set_input_files("#upload-input", str(src))
+    page.click("#upload-button")
+    row = page.wait_for_selector('#file-list tr.file-row[data-name="blob.bin"]')
+    assert row is not None
+    page.screenshot(path=SHOTS / "06-files.png")
+
+    with page.expect_download() as info:
+        page.click('#file-list a.download[data-path="/tmp/blob.bin"]')
+    dest = tmp_path / "downloaded.bin"
+    info.value.save_as(dest)
+    assert dest.read_bytes() == payload
+
+    # A text file opens in the viewer.
+    page.goto(f"/sandboxes/{sandbox_id}/?tab=files&path=/etc&file=/etc/passwd")
+    assert "root:" in page.inner_text("#file-content")
