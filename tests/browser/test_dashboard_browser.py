@@ -40,7 +40,9 @@ def chromium() -> Iterator[sync_api.Browser]:
 
 @pytest.fixture
 def page(chromium, server, celery_worker, bridge, local_node, team_token) -> Iterator[sync_api.Page]:
-    context = chromium.new_context(base_url=server, viewport={"width": 1440, "height": 900}, accept_downloads=True)
+    context = chromium.new_context(
+        base_url=server, viewport={"width": 1440, "height": 900}, accept_downloads=True
+    )
     context.set_default_timeout(TIMEOUT_MS)
     page = context.new_page()
     errors: list[str] = []

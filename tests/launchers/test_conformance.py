@@ -390,9 +390,7 @@ def test_ctrl_c_reaches_an_interactive_shells_foreground_job_while_it_floods(lau
     """An interactive shell puts each job in its own process group and makes it the
     terminal's foreground group: ^C must stop that job (not the shell), echo "^C" and give
     the prompt back, even while the job floods the terminal faster than it is read."""
-    proc = launcher.open_process(
-        sandbox, ProcessRequest(argv=["sh", "-i"], tty=True, env={"PS1": "READY$ "})
-    )
+    proc = launcher.open_process(sandbox, ProcessRequest(argv=["sh", "-i"], tty=True, env={"PS1": "READY$ "}))
     try:
         events = proc.events()
         _read_until(events, b"READY$ ")
