@@ -50,7 +50,13 @@ class Terminal:
         self.total = 0
 
     async def until(self, needle: bytes, timeout: float = 60.0) -> None:
-        async with asyncio.timeout(timeout):
+        try:
+            await asyncio.wait_for(self._until(needle), timeout)
+        except TimeoutError:
+            raise RuntimeError(f"{needle!r} did not come within {timeout} s; last: {bytes(self.buf[-200:])!r}") from None
+
+    async def _until(self, needle: bytes) -> None:
+        if True:
             while needle not in self.buf:
                 msg = await self.ws.recv()
                 if isinstance(msg, str):
@@ -88,7 +94,7 @@ async def keystroke_echo(ws_url: str, token: str, n: int) -> list[float]:
             await ws.send(key)
             await term.until(echo, timeout=10)
             times.append(time.perf_counter() - start)
-        await ws.send(b"\x04")  # ^D at the start of a line: cat ends
+        await ws.send(b"\x03")  # ^C: cat ends
         await term.until(PROMPT)
     return times
 

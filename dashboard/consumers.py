@@ -32,7 +32,7 @@ from django.template.loader import render_to_string
 
 from runtime import streams
 from runtime.errors import ServiceError
-from runtime.models import Exec, Sandbox, Team
+from runtime.models import Exec, Membership, Sandbox, Team
 from runtime.services import processes as proc_svc
 from runtime.services import sandboxes as svc
 
@@ -45,20 +45,27 @@ log = logging.getLogger(__name__)
 CLOSE_UNAUTHORIZED = 4401
 CLOSE_NOT_FOUND = 4404
 CLOSE_BAD_REQUEST = 4400
+CLOSE_FORBIDDEN = 4403
+VIEWER_REFUSAL = "viewers of this team can watch but not type, resize or start commands"
 
 
-def _identity(scope: dict[str, Any]) -> tuple[Any, Team] | None:
-    """(user, team) for a token or a same-origin session; None if neither."""
+def _identity(scope: dict[str, Any]) -> tuple[Any, Team, bool] | None:
+    """(user, team, may change things) for a token or a same-origin session; None if neither.
+    A team's viewers may watch terminals and commands but not type into them or start any."""
     token = scope.get("api_token")
     if token is not None:
-        return token.user, token.team
-    if scope.get("token_presented"):
+        user, team = token.user, token.team
+    elif scope.get("token_presented"):
         return None  # a bad token is not rescued by a cookie
-    user = scope.get("user")
-    if user is None or not user.is_authenticated or not same_origin(scope):
-        return None
-    team = session_team(user=user, session=scope.get("session"))
-    return (user, team) if team is not None else None
+    else:
+        user = scope.get("user")
+        if user is None or not user.is_authenticated or not same_origin(scope):
+            return None
+        team = session_team(user=user, session=scope.get("session"))
+        if team is None:
+            return None
+    role = Membership.objects.filter(user=user, team=team).values_list("role", flat=True).first()
+    return user, team, role is not None and role != Membership.Role.VIEWER
 
 
 def _query(scope: dict[str, Any]) -> dict[str, str]:
@@ -68,13 +75,21 @@ def _query(scope: dict[str, Any]) -> dict[str, str]:
 class _Base(AsyncWebsocketConsumer):
     user: Any
     team: Team
+    can_change = False
 
     async def _authenticate(self) -> bool:
         who = await database_sync_to_async(_identity)(self.scope)
         if who is None:
             await self.close(code=CLOSE_UNAUTHORIZED)
             return False
-        self.user, self.team = who
+        self.user, self.team, self.can_change = who
+        return True
+
+    async def _refuse_viewer(self) -> bool:
+        """True (after telling the client) when the caller may only watch."""
+        if self.can_change:
+            return False
+        await self.send_json({"type": "error", "message": VIEWER_REFUSAL})
         return True
 
     async def send_json(self, obj: dict[str, Any]) -> None:
@@ -124,7 +139,8 @@ class TerminalConsumer(_Base):
 
     async def receive(self, text_data: str | None = None, bytes_data: bytes | None = None) -> None:
         if bytes_data is not None:
-            await self._input(bytes_data)
+            if not await self._refuse_viewer():
+                await self._input(bytes_data)
             return
         try:
             msg = json.loads(text_data or "")
@@ -135,13 +151,16 @@ class TerminalConsumer(_Base):
         if kind == "ack":
             await self._ack(int(msg.get("bytes") or 0))
         elif kind == "resize":
+            # A viewer's window does not resize the terminal the others type into.
             rows, cols = int(msg.get("rows") or 0), int(msg.get("cols") or 0)
-            if 1 <= rows <= 1000 and 1 <= cols <= 1000:
+            if self.can_change and 1 <= rows <= 1000 and 1 <= cols <= 1000:
                 await self._send(streams.RESIZE, rows=rows, cols=cols)
         elif kind == "input":
-            await self._input(str(msg.get("data", "")).encode())
+            if not await self._refuse_viewer():
+                await self._input(str(msg.get("data", "")).encode())
         elif kind == "ping":
             await self.send_json({"type": "pong"})
+            await self._send(streams.TOUCH)  # a viewer is still there: activity for the TTL
         else:
             await self.send_json({"type": "error", "message": f"unknown message type {kind!r}"})
 
@@ -246,7 +265,7 @@ class ExecConsumer(_Base):
 
     async def receive(self, text_data: str | None = None, bytes_data: bytes | None = None) -> None:
         if bytes_data is not None:
-            if self.pump is not None:
+            if self.pump is not None and not await self._refuse_viewer():
                 await self._send(streams.INPUT, data=bytes_data)
             return
         try:
@@ -257,9 +276,15 @@ class ExecConsumer(_Base):
             await self.send_json({"type": "error", "message": "text frames must be JSON objects"})
             return
         if self.pump is None:
+            if not self.can_change:
+                await self.send_json({"type": "error", "message": VIEWER_REFUSAL})
+                await self.close(code=CLOSE_FORBIDDEN)
+                return
             await self._start(msg)
             return
         kind = msg.get("type")
+        if await self._refuse_viewer():
+            return
         try:
             if kind == "stdin":
                 await self._send(streams.INPUT, data=str(msg.get("data", "")).encode())

@@ -15,6 +15,11 @@ PTY, and the command blocks in write(). Reading resumes below ``LOW``. A viewer 
 acknowledging for ``STALE_S`` stops counting, so one frozen tab cannot stall the others.
 Input (keystrokes, Ctrl-C) travels separately and is never held back.
 
+Activity. Input, resizes, acknowledgements, attaches and viewers' pings (``proc.touch``) mark
+a process active; every ``HANGAR_ACTIVITY_REPORT_S`` the bridge pushes out the expiry of the
+sandboxes with a process active in the last ``2 ×`` that (:func:`sandboxes_touch`), so an open
+terminal keeps its sandbox from expiring under an engineer's hands.
+
 What does not survive: the bridge's connections are the processes' lifelines (the agent kills
 a command whose connection closes), so restarting the bridge ends the live processes of its
 node. On start it marks what it no longer holds as ended, saying why.
@@ -71,6 +76,7 @@ class LiveProcess:
     exit: dict[str, Any] | None = None
     ended_at: float | None = None
     tasks: list[asyncio.Task[None]] = field(default_factory=list)
+    active_at: float = field(default_factory=time.monotonic)  # last input, ack, attach or ping
 
     def __post_init__(self) -> None:
         self.may_read.set()
@@ -116,6 +122,8 @@ class Bridge:
             await self._start(msg)
             return
         lp = self.procs.get(msg.get("key", ""))
+        if lp is not None and kind != streams.DETACH:
+            lp.active_at = time.monotonic()
         if kind == streams.ATTACH:
             if lp is None:
                 await self.layer.send(msg["reply"], {"type": streams.UNKNOWN, "key": msg.get("key")})
@@ -306,9 +314,20 @@ class Bridge:
     # -- housekeeping ------------------------------------------------------------------------
 
     async def _housekeeping(self) -> None:
+        report_every = float(settings.HANGAR_ACTIVITY_REPORT_S)
+        reported = time.monotonic()
         while True:
             await asyncio.sleep(HOUSEKEEPING_S)
             now = time.monotonic()
+            if now - reported >= report_every:
+                reported = now
+                active = {
+                    lp.sandbox_id
+                    for lp in self.procs.values()
+                    if lp.exit is None and now - lp.active_at < 2 * report_every
+                }
+                if active:
+                    asyncio.ensure_future(asyncio.to_thread(_touch, active))
             for key, lp in list(self.procs.items()):
                 if lp.exit is None:
                     self._update_flow(lp)  # a stale viewer stops counting
@@ -351,6 +370,20 @@ def _record_end(key: str, info: dict[str, Any], ring: streams.OutputRing, durati
         process_record_end(key=key, info=info, ring=ring, duration_ms=duration_ms)
     except Exception:
         log.exception("bridge: could not record the end of %s", key)
+    finally:
+        close_old_connections()
+
+
+def _touch(sandbox_ids: set[str]) -> None:
+    from django.db import close_old_connections
+
+    from .services.sandboxes import sandboxes_touch
+
+    close_old_connections()
+    try:
+        sandboxes_touch(sandbox_ids=sandbox_ids)
+    except Exception:
+        log.exception("bridge: could not record activity in %s", sorted(sandbox_ids))
     finally:
         close_old_connections()
 

@@ -7,5 +7,6 @@ os.environ.setdefault("DATABASE_URL", "postgres://postgres@127.0.0.1:5432/hangar
 os.environ.setdefault("REDIS_URL", "redis://127.0.0.1:6379/7")
 os.environ.setdefault("HANGAR_DATA_DIR", os.path.join(tempfile.gettempdir(), "hangar-test-data"))
 os.environ.setdefault("HANGAR_NODE_NAME", "test-node")
+os.environ.setdefault("HANGAR_ACTIVITY_REPORT_S", "1")  # bridges report terminal activity at once
 
 from dashboard.settings import *  # noqa: E402,F403

@@ -219,6 +219,61 @@ def test_terminal_socket_checks_token_and_team(terminal, team_token, other_team_
     asyncio.run(main())
 
 
+def test_viewers_watch_terminals_and_commands_but_cannot_type(terminal, sandbox, team_token):
+    from django.contrib.auth import get_user_model
+
+    from runtime.models import Membership, Team
+    from runtime.services.auth import token_create
+
+    team = Team.objects.get(name="alpha")
+    viewer = get_user_model().objects.create_user(username="victor", password="pw")
+    Membership.objects.create(user=viewer, team=team, role=Membership.Role.VIEWER)
+    viewer_token = token_create(user=viewer, team=team).raw
+
+    async def main() -> None:
+        owner = communicator(terminal["websocket"], team_token)
+        watcher = communicator(terminal["websocket"], viewer_token)
+        assert (await owner.connect())[0] and (await watcher.connect())[0]
+        await read_until(watcher, PROMPT)
+        await watcher.send_to(bytes_data=b"echo typed-by-$((0+0))-viewer\n")
+        msg = await watcher.receive_output(5)
+        assert "viewers" in json.loads(msg["text"])["message"]
+        await owner.send_to(bytes_data=b"echo typed-by-$((1+1))-owner\n")
+        seen = await read_until(watcher, b"typed-by-2-owner")  # the viewer sees the owner's work
+        assert b"typed-by-0-viewer" not in seen
+        await owner.disconnect()
+        await watcher.disconnect()
+
+        # Nor can a viewer start a command on the exec socket.
+        comm = communicator(f"/ws/v1/sandboxes/{sandbox}/exec", viewer_token)
+        assert (await comm.connect())[0]
+        await comm.send_to(text_data=json.dumps({"cmd": "echo nope"}))
+        assert "viewers" in json.loads((await comm.receive_output(5))["text"])["message"]
+        assert (await comm.receive_output(5))["code"] == 4403
+
+    asyncio.run(main())
+
+
+def test_terminal_activity_keeps_its_sandbox_from_expiring(api, terminal, sandbox, team_token):
+    """Typing into (or just watching) a terminal is activity: the node's bridge pushes the
+    sandbox's expiry out to its timeout from now (every HANGAR_ACTIVITY_REPORT_S, 1 s here)."""
+    before = api.get(f"/sandboxes/{sandbox}").json()["expires_at"]
+
+    async def main() -> None:
+        comm = communicator(terminal["websocket"], team_token)
+        assert (await comm.connect())[0]
+        await read_until(comm, PROMPT)
+        await asyncio.sleep(1.5)
+        await comm.send_to(bytes_data=b"echo busy\n")
+        await read_until(comm, b"busy\r\n")
+        await asyncio.sleep(2.5)
+        await comm.disconnect()
+
+    asyncio.run(main())
+    after = api.get(f"/sandboxes/{sandbox}").json()["expires_at"]
+    assert after > before, (before, after)
+
+
 def test_session_socket_needs_same_origin(terminal, client, django_user_model):
     """A browser session is accepted only from this site's own pages (no cross-site use of
     the cookie)."""

@@ -279,6 +279,24 @@ def sandbox_keepalive(*, sandbox: Sandbox, timeout_s: int) -> Sandbox:
     return sandbox
 
 
+def sandboxes_touch(*, sandbox_ids: Iterable[str]) -> list[str]:
+    """Someone is at work in these sandboxes (an open terminal, a command's viewer typing or
+    reading): push each one's expiry out to its ``timeout_s`` from now, as Coder bumps a
+    workspace's deadline on activity. Never brings an expiry closer. Returns the ids moved."""
+    now = timezone.now()
+    moved = []
+    for sb in Sandbox.objects.filter(id__in=list(sandbox_ids), status=S.RUNNING).only(
+        "id", "team_id", "status", "timeout_s", "expires_at"
+    ):
+        until = now + timedelta(seconds=sb.timeout_s)
+        if Sandbox.objects.filter(id=sb.id, status=S.RUNNING, expires_at__lt=until).update(
+            expires_at=until, updated_at=now
+        ):
+            moved.append(sb.id)
+            notify.sandbox_changed(sb.id, sb.status, sb.team_id)
+    return moved
+
+
 def sandboxes_reap_expired() -> int:
     """Delete every sandbox past its ``expires_at``."""
     count = 0

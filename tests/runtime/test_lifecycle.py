@@ -61,6 +61,24 @@ def _image(*nodes: Node) -> Image:
     return image
 
 
+def test_activity_pushes_expiry_out_but_never_in(transactional_db, team):
+    now = timezone.now()
+    soon = Sandbox.objects.create(team=team, image="x", image_digest="sha256:x", status="running",
+                                  timeout_s=600, expires_at=now + timedelta(seconds=30))  # fmt: skip
+    later = Sandbox.objects.create(team=team, image="x", image_digest="sha256:x", status="running",
+                                   timeout_s=600, expires_at=now + timedelta(hours=5))  # fmt: skip
+    stopped = Sandbox.objects.create(team=team, image="x", image_digest="sha256:x", status="stopped",
+                                     timeout_s=600, expires_at=now + timedelta(seconds=30))  # fmt: skip
+    moved = svc.sandboxes_touch(sandbox_ids=[soon.id, later.id, stopped.id, "sbnosuch"])
+    assert moved == [soon.id]
+    soon.refresh_from_db()
+    assert soon.expires_at >= now + timedelta(seconds=599)
+    later.refresh_from_db()
+    assert later.expires_at == now + timedelta(hours=5)  # a later expiry is never brought closer
+    stopped.refresh_from_db()
+    assert stopped.expires_at == now + timedelta(seconds=30)
+
+
 def test_scheduler_picks_the_node_with_most_room(transactional_db, team):
     small = node_register(name="small", runtimes=["gvisor"], cpu=2, memory_mb=1024)
     big = node_register(name="big", runtimes=["gvisor"], cpu=2, memory_mb=8192)
