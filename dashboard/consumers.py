@@ -23,6 +23,7 @@ import contextlib
 import json
 import logging
 from collections import deque
+from datetime import UTC, datetime
 from typing import Any
 from urllib.parse import parse_qs
 
@@ -46,6 +47,7 @@ CLOSE_UNAUTHORIZED = 4401
 CLOSE_NOT_FOUND = 4404
 CLOSE_BAD_REQUEST = 4400
 CLOSE_FORBIDDEN = 4403
+PAGE_CATCH_UP = 100  # rows a live list catches up on when its socket opens
 VIEWER_REFUSAL = "viewers of this team can watch but not type, resize or start commands"
 
 
@@ -389,6 +391,22 @@ class SandboxesLiveConsumer(_LivePage):
         from runtime.notify import team_channel
 
         await self._subscribe(team_channel(self.team.id))
+        # What changed between the page's rendering and this subscription would be missed.
+        try:
+            since = float(_query(self.scope).get("since") or 0)
+        except ValueError:
+            since = 0.0
+        if since:
+            for sandbox_id in await database_sync_to_async(self._changed_since)(since):
+                self.queue.put_nowait(sandbox_id)  # type: ignore[union-attr]
+
+    def _changed_since(self, since: float) -> list[str]:
+        when = datetime.fromtimestamp(since, tz=UTC)
+        return list(
+            Sandbox.objects.filter(team=self.team, updated_at__gt=when)
+            .order_by("-updated_at")
+            .values_list("id", flat=True)[:PAGE_CATCH_UP]
+        )
 
     def render(self, items: set[str]) -> str:
         from .views import sandbox_rows_context
@@ -418,6 +436,9 @@ class SandboxLiveConsumer(_LivePage):
         from runtime.notify import sandbox_channel
 
         await self._subscribe(sandbox_channel(self.sandbox.id))
+        # One update at once: a change between the page's rendering and this subscription
+        # (a sandbox that came up meanwhile) would otherwise wait for the next one.
+        self.queue.put_nowait("sync")  # type: ignore[union-attr]
 
     def render(self, items: set[str]) -> str:
         sandbox = Sandbox.objects.select_related("node").get(id=self.sandbox.id)

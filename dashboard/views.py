@@ -14,6 +14,7 @@ import logging
 import posixpath
 import shlex
 import stat
+import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -249,7 +250,8 @@ def sandboxes(request: HttpRequest) -> HttpResponse:
     current = request.GET.get("status") or "active"
     if current not in dict(FILTERS):
         current = "active"
-    context: dict[str, Any] = {"section": "sandboxes", "filter": current, "form": form or _create_form()}
+    context: dict[str, Any] = {"section": "sandboxes", "filter": current, "form": form or _create_form(),
+                               "rendered_at": f"{time.time():.3f}"}  # fmt: skip
     if tc.team is not None:
         grouped = Sandbox.objects.filter(team=tc.team).values("status").annotate(n=Count("id"))
         by_status = {row["status"]: row["n"] for row in grouped}

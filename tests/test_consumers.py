@@ -375,3 +375,30 @@ def test_live_sandboxes_page_pushes_status_changes(api, team_token, client, djan
 
     html = asyncio.run(main())
     assert "hx-swap-oob" in html and "running" in html
+
+
+def test_live_pages_catch_up_on_what_changed_before_their_socket_opened(
+    api, team_token, client, django_user_model
+):
+    """A page rendered before a change whose socket opens after it still gets the change."""
+    user = django_user_model.objects.get(username="alice")
+    client.force_login(user)
+    cookie = f"sessionid={client.cookies['sessionid'].value}".encode()
+    headers = [(b"cookie", cookie), (b"origin", b"http://testserver"), (b"host", b"testserver")]
+    rendered_at = time.time() - 1
+    sid = create(api)["id"]  # comes up between the page and its socket
+
+    async def main() -> tuple[str, str]:
+        comm = communicator(f"/ws/ui/sandboxes?since={rendered_at:.3f}", headers=headers)
+        assert (await comm.connect())[0]
+        listing = await comm.receive_from(10)
+        await comm.disconnect()
+        comm = communicator(f"/ws/ui/sandboxes/{sid}?after=0", headers=headers)
+        assert (await comm.connect())[0]
+        detail = await comm.receive_from(10)
+        await comm.disconnect()
+        return listing, detail
+
+    listing, detail = asyncio.run(main())
+    assert re.search(rf'id="sb-{sid}"[^>]*data-status="running"', listing), listing[:500]
+    assert 'id="sb-header"' in detail and 'data-status="running"' in detail

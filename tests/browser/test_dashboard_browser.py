@@ -52,8 +52,10 @@ def page(chromium, server, celery_worker, bridge, local_node, team_token) -> Ite
     assert not errors, f"JavaScript errors on the page: {errors}"
 
 
-def sign_in(page: sync_api.Page) -> None:
+def sign_in(page: sync_api.Page, shot: bool = False) -> None:
     page.goto("/login/")
+    if shot:
+        page.screenshot(path=SHOTS / "00-sign-in.png")
     page.fill("#id_username", "alice")  # the team_token fixture's owner of team "alpha"
     page.fill("#id_password", "pw")
     page.click("#login-form button[type=submit]")
@@ -91,7 +93,7 @@ def terminal_size(page: sync_api.Page, tag: str) -> tuple[int, int]:
 
 
 def test_sign_in_create_a_sandbox_and_use_its_terminal(page):
-    sign_in(page)
+    sign_in(page, shot=True)
     page.screenshot(path=SHOTS / "01-signed-in.png")
     sandbox_id = create_sandbox(page)
 
@@ -162,3 +164,24 @@ def test_files_tab_uploads_and_downloads_byte_for_byte(page, tmp_path):
     # A text file opens in the viewer.
     page.goto(f"/sandboxes/{sandbox_id}/?tab=files&path=/etc&file=/etc/passwd")
     assert "root:" in page.inner_text("#file-content")
+
+
+def test_the_list_follows_status_changes_live_and_events_show_them(page):
+    sign_in(page)
+    sandbox_id = create_sandbox(page)
+    listing = page.context.new_page()
+    listing.goto("/sandboxes/")
+    row = f"tr#sb-{sandbox_id}"
+    listing.wait_for_selector(f'{row}[data-status="running"]')
+    listing.wait_for_timeout(300)  # its websocket is open
+    listing.screenshot(path=SHOTS / "07-sandboxes.png")
+
+    page.click("#sb-header button:has-text('Stop')")
+    # The other tab hears of it over its websocket: no reload, no polling.
+    listing.wait_for_selector(f'{row}[data-status="stopped"]', timeout=30_000)
+    page.wait_for_selector('#sb-header[data-status="stopped"]')
+
+    page.goto(f"/sandboxes/{sandbox_id}/?tab=events")
+    kinds = page.locator("#events-body").inner_text()
+    assert "running" in kinds and "stopped" in kinds, kinds
+    page.screenshot(path=SHOTS / "08-events.png")

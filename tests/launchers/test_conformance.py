@@ -424,4 +424,3 @@ def test_live_process_without_a_tty_streams_and_takes_signals(launcher, sandbox)
         assert list(events)[-1] == ("exit", ProcessExit(143, 15, False))
     finally:
         proc.close()
-
