@@ -33,7 +33,7 @@ from django.template.loader import render_to_string
 
 from runtime import streams
 from runtime.errors import ServiceError
-from runtime.models import Exec, Membership, Sandbox, Team
+from runtime.models import Exec, ImageJob, Membership, Sandbox, Team
 from runtime.services import processes as proc_svc
 from runtime.services import sandboxes as svc
 
@@ -448,3 +448,73 @@ class SandboxLiveConsumer(_LivePage):
         return render_to_string(
             "hangar/partials/sandbox_live_oob.html", {"sandbox": sandbox, "events": events}
         )
+
+
+def _session_user(scope: dict[str, Any]) -> Any:
+    user = scope.get("user")
+    if scope.get("token_presented") or user is None or not same_origin(scope) or not user.is_authenticated:
+        return None
+    return user
+
+
+class _SessionLivePage(_LivePage):
+    """A live page of Hangar-wide things (no one team's): any signed-in session."""
+
+    async def _accept_session(self) -> bool:
+        # A signed-in user of this site's own pages, in a team or not (a staff user may be in none).
+        user = await database_sync_to_async(_session_user)(self.scope)
+        if user is None:
+            await self.close(code=CLOSE_UNAUTHORIZED)
+            return False
+        self.user = user
+        await self.accept()
+        return True
+
+
+class ImagesLiveConsumer(_SessionLivePage):
+    """``/ws/ui/images``: the images page's tables, redrawn as builds and pulls move on."""
+
+    async def connect(self) -> None:
+        if not await self._accept_session():
+            return
+        from runtime.notify import IMAGES_CHANNEL
+
+        await self._subscribe(IMAGES_CHANNEL)
+
+    def render(self, items: set[str]) -> str:
+        from .views import _images_context
+
+        return render_to_string(
+            "hangar/partials/images_live_oob.html", {**_images_context(), "can_manage": self.user.is_staff}
+        )
+
+
+class ImageJobLiveConsumer(_SessionLivePage):
+    """``/ws/ui/images/jobs/{id}``: one job's status and progress log, until it is over."""
+
+    async def connect(self) -> None:
+        if not await self._accept_session():
+            return
+        self.job_id = int(self.scope["url_route"]["kwargs"]["job_id"])
+        from runtime.notify import image_job_channel
+
+        await self._subscribe(image_job_channel(self.job_id))
+        self.queue.put_nowait("sync")  # type: ignore[union-attr]  # what happened before this
+
+    def render(self, items: set[str]) -> str:
+        from runtime.services.images import image_job_get
+
+        try:
+            job = image_job_get(job_id=self.job_id)
+        except ServiceError:
+            return ""
+        if job.status in (ImageJob.Status.SUCCEEDED, ImageJob.Status.FAILED):
+            self.done = True
+        return render_to_string("hangar/partials/image_job_oob.html", {"job": job})
+
+    async def send(
+        self, text_data: str | None = None, bytes_data: bytes | None = None, close: bool = False
+    ) -> None:
+        await super().send(text_data=text_data, bytes_data=bytes_data, close=close)
+        if getattr(self, "done", False) and not close:
+            await self.close(code=1000)  # the job is over: nothing more will come

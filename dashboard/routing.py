@@ -9,4 +9,6 @@ websocket_urlpatterns = [
     path("ws/v1/sandboxes/<str:sandbox_id>/exec", consumers.ExecConsumer.as_asgi()),
     path("ws/ui/sandboxes", consumers.SandboxesLiveConsumer.as_asgi()),
     path("ws/ui/sandboxes/<str:sandbox_id>", consumers.SandboxLiveConsumer.as_asgi()),
+    path("ws/ui/images", consumers.ImagesLiveConsumer.as_asgi()),
+    path("ws/ui/images/jobs/<int:job_id>", consumers.ImageJobLiveConsumer.as_asgi()),
 ]

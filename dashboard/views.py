@@ -39,9 +39,10 @@ from django.urls import reverse
 from django.utils.http import url_has_allowed_host_and_scheme
 from django.views.decorators.http import require_GET, require_http_methods, require_POST
 
-from runtime.errors import ServiceError
+from runtime.errors import InvalidValue, ServiceError
 from runtime.launchers import launcher_names
-from runtime.models import Exec, Image, Membership, Sandbox, Team, Terminal
+from runtime.models import Exec, Image, ImageJob, Membership, Sandbox, Team, Terminal
+from runtime.services import images as image_svc
 from runtime.services import processes as proc_svc
 from runtime.services import sandboxes as svc
 from runtime.services.nodes import nodes_with_usage
@@ -711,3 +712,59 @@ def file_upload(request: HttpRequest, sandbox_id: str) -> HttpResponse:
     )
     response["HX-Push-Url"] = push
     return response
+
+
+# -- images -----------------------------------------------------------------------------------
+
+
+def _images_context() -> dict[str, Any]:
+    return {
+        "images": Image.objects.prefetch_related("nodes").order_by("name"),
+        "jobs": image_svc.image_jobs_recent(limit=15),
+    }
+
+
+@login_required
+def images(request: HttpRequest) -> HttpResponse:
+    """Images sandboxes start from, the latest builds and pulls (live), and for staff users the
+    forms that start new ones."""
+    tc = _team_context(request)
+    error, status = "", 200
+    if request.method == "POST":
+        action = request.POST.get("action")
+        try:
+            if action == "build":
+                job = image_svc.image_job_start(
+                    kind=ImageJob.Kind.BUILD, ref=request.POST.get("kind", ""), user=request.user
+                )
+            elif action == "pull":
+                job = image_svc.image_job_start(
+                    kind=ImageJob.Kind.PULL, ref=request.POST.get("ref", ""), name=request.POST.get("name", ""),
+                    tls_verify=not request.POST.get("insecure"), user=request.user,
+                )  # fmt: skip
+            else:
+                raise InvalidValue("choose build or pull")
+        except ServiceError as exc:
+            error, status = exc.message, exc.status_code
+        else:
+            return redirect("image_job", job.id)
+    context = {
+        "section": "images",
+        "error": error,
+        "posted": request.POST if request.method == "POST" else {},
+        "can_manage": request.user.is_staff,
+        "buildable": image_svc.BUILDABLE,
+        **_images_context(),
+    }
+    return _render(request, "hangar/images.html", context, tc, status=status)
+
+
+@login_required
+def image_job(request: HttpRequest, job_id: int) -> HttpResponse:
+    """One build or pull: its status and its progress log as it comes."""
+    tc = _team_context(request)
+    try:
+        job = image_svc.image_job_get(job_id=job_id)
+    except ServiceError as exc:
+        raise Http404(exc.message) from None
+    return _render(request, "hangar/image_job.html", {"section": "images", "job": job}, tc)

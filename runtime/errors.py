@@ -22,6 +22,10 @@ class InvalidValue(ServiceError):
     status_code = 422
 
 
+class Forbidden(ServiceError):
+    status_code = 403
+
+
 class NotFound(ServiceError):
     status_code = 404
 

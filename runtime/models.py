@@ -102,6 +102,49 @@ class Image(models.Model):
         return self.name
 
 
+class ImageJob(models.Model):
+    """A build or registry pull of an image on a node, with its progress log: images take
+    seconds to minutes, and the dashboard shows them as they go."""
+
+    class Kind(models.TextChoices):
+        BUILD = "build"
+        PULL = "pull"
+
+    class Status(models.TextChoices):
+        QUEUED = "queued"
+        RUNNING = "running"
+        SUCCEEDED = "succeeded"
+        FAILED = "failed"
+
+    kind = models.CharField(max_length=16, choices=Kind.choices)
+    ref = models.CharField(max_length=300)  # build: busybox | base; pull: the registry reference
+    name = models.CharField(max_length=128, blank=True)  # the image's name here ("" = from ref)
+    tls_verify = models.BooleanField(default=True)
+    node = models.ForeignKey(Node, null=True, on_delete=models.SET_NULL, related_name="image_jobs")
+    status = models.CharField(max_length=16, choices=Status.choices, default=Status.QUEUED)
+    log = models.TextField(blank=True)  # the last lines of progress
+    error = models.TextField(blank=True)
+    image = models.ForeignKey(Image, null=True, blank=True, on_delete=models.SET_NULL, related_name="jobs")
+    created_by = models.ForeignKey(settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL)
+    created_at = models.DateTimeField(auto_now_add=True)
+    started_at = models.DateTimeField(null=True, blank=True)
+    finished_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["-created_at"]
+
+    def __str__(self) -> str:
+        return f"{self.kind} {self.ref}"
+
+    @property
+    def took_s(self) -> float | None:
+        """Seconds from start to end (so far, while it runs); None until it starts."""
+        if self.started_at is None:
+            return None
+        end = self.finished_at or timezone.now()
+        return (end - self.started_at).total_seconds()
+
+
 class Sandbox(models.Model):
     class Status(models.TextChoices):
         PENDING = "pending"

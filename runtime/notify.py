@@ -45,6 +45,24 @@ def sandbox_changed(sandbox_id: str, status: str, team_id: int | None = None) ->
         log.warning("could not publish status of %s", sandbox_id, exc_info=True)
 
 
+IMAGES_CHANNEL = "hangar:images"
+
+
+def image_job_channel(job_id: int) -> str:
+    return f"hangar:image-job:{job_id}"
+
+
+def image_job_changed(job_id: int) -> None:
+    """An image job moved on (status or progress): its page and the images page update."""
+    try:
+        pipe = redis_client().pipeline(transaction=False)
+        pipe.publish(image_job_channel(job_id), "changed")
+        pipe.publish(IMAGES_CHANNEL, str(job_id))
+        pipe.execute()
+    except redis.RedisError:
+        log.warning("could not publish image job %s", job_id, exc_info=True)
+
+
 def wait_for_status(sandbox_id: str, statuses: Iterable[str], timeout: float, read_status) -> str:
     """Block until ``read_status()`` returns one of ``statuses`` or ``timeout`` passes.
 

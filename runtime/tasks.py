@@ -9,6 +9,7 @@ from celery import shared_task
 
 from .models import Node
 from .node import local_node_name, node_queue
+from .services import images as image_services
 from .services import nodes as node_services
 from .services import sandboxes as sandbox_services
 
@@ -45,6 +46,11 @@ def halt(self, sandbox_id: str) -> None:
 @shared_task(acks_late=False)
 def node_op(op: str, sandbox_id: str, payload: dict[str, Any]) -> dict[str, Any]:
     return sandbox_services.node_op(op=op, sandbox_id=sandbox_id, payload=payload)
+
+
+@shared_task(acks_late=False)
+def image_job(job_id: int) -> None:
+    image_services.image_job_run(job_id=job_id)
 
 
 @shared_task

@@ -14,7 +14,7 @@ from django.utils import timezone
 
 from dashboard.teams import SESSION_KEY
 from dashboard.views import sandbox_rows_context
-from runtime.models import Exec, Image, Membership, Sandbox, SandboxEvent, Team
+from runtime.models import Exec, Image, ImageJob, Membership, Sandbox, SandboxEvent, Team
 from runtime.services.nodes import node_register
 
 S = Sandbox.Status
@@ -75,7 +75,15 @@ def test_sign_in_page_renders_and_signs_in(client, alpha):
 
 @pytest.mark.django_db
 @pytest.mark.parametrize(
-    "url", ["/", "/sandboxes/", "/sandboxes/sbanything/", "/sandboxes/sbanything/?tab=files"]
+    "url",
+    [
+        "/",
+        "/sandboxes/",
+        "/sandboxes/sbanything/",
+        "/sandboxes/sbanything/?tab=files",
+        "/images/",
+        "/images/jobs/1/",
+    ],
 )
 def test_pages_require_sign_in(client, url):
     r = client.get(url)
@@ -101,7 +109,7 @@ def test_sandbox_list_shows_the_current_teams_sandboxes_only(client, ann, alpha,
     page = client.get("/sandboxes/").content.decode()
     assert mine.id in page and theirs.id not in page
     assert f'id="sb-{mine.id}"' in page and "node-a" in page and "768 MB" in page
-    assert 'ws-connect="/ws/ui/sandboxes"' in page and "vendor/htmx/ext-ws.min.js" in page
+    assert 'ws-connect="/ws/ui/sandboxes?since=' in page and "vendor/htmx/ext-ws.min.js" in page
     assert 'class="status running"' in page
 
 
@@ -608,3 +616,39 @@ def test_upload_writes_into_the_current_directory(client, ann, alpha, fake_files
     assert r.status_code == 200 and "Uploaded /tmp/notes.txt (18 bytes)" in r.content.decode()
     assert r["HX-Push-Url"] == f"/sandboxes/{sandbox.id}/?tab=files&path=%2Ftmp"
     assert fake_files.written == {"/tmp/notes.txt": b"remember the milk\n"}
+
+
+# -- images ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.django_db
+def test_images_page_lists_images_and_jobs_and_only_staff_get_the_forms(client, ann, alpha):
+    node = node_register(name="node-a", runtimes=["gvisor"], cpu=4, memory_mb=8192)
+    Image.objects.create(name="busybox", digest="sha256:" + "a" * 64, size_bytes=2_000_000).nodes.add(node)
+    ImageJob.objects.create(kind="pull", ref="reg.example/app:1", name="app", node=node, status="failed",
+                            error="skopeo: connection refused")  # fmt: skip
+    page = client.get("/images/").content.decode()
+    assert 'id="image-busybox"' not in page  # rows are keyed by id
+    assert "busybox" in page and "node-a" in page and "reg.example/app:1" in page
+    assert 'ws-connect="/ws/ui/images"' in page
+    assert 'id="pull-form"' not in page and "administrators build and pull" in page
+    r = client.post("/images/", {"action": "build", "kind": "busybox"})
+    assert r.status_code == 403 and "administrators" in r.content.decode()
+
+
+@pytest.mark.django_db
+def test_staff_start_a_build_and_land_on_its_page(client, alpha):
+    get_user_model().objects.create_user("root", password="pw", is_staff=True)
+    client.login(username="root", password="pw")
+    node_register(name="test-node", runtimes=["gvisor"], cpu=4, memory_mb=8192)
+    page = client.get("/images/").content.decode()
+    assert 'id="pull-form"' in page and 'id="build-form"' in page
+    r = client.post("/images/", {"action": "pull", "ref": "has space"})
+    assert r.status_code == 422 and "invalid image reference" in r.content.decode()
+    assert 'value="has space"' in r.content.decode()  # what was typed stays
+    r = client.post("/images/", {"action": "build", "kind": "busybox"})
+    job = ImageJob.objects.get()
+    assert r.status_code == 302 and r["Location"] == f"/images/jobs/{job.id}/"
+    page = client.get(r["Location"]).content.decode()
+    assert f'ws-connect="/ws/ui/images/jobs/{job.id}"' in page and "Waiting for node test-node" in page
+    assert client.get("/images/jobs/424242/").status_code == 404

@@ -2,12 +2,21 @@
 
 from __future__ import annotations
 
+import logging
+import time
 from collections.abc import Callable
+from typing import Any
 
-from ..errors import BadRequest
-from ..launchers.images import ImageInfo
-from ..models import Image, Node
+from django.db import transaction
+from django.utils import timezone
+
+from .. import notify
+from ..errors import BadRequest, Forbidden, InvalidValue, NotFound, ServiceError
+from ..launchers.images import NAME_RE, ImageError, ImageInfo, validate_name
+from ..models import Image, ImageJob, Node
 from ..node import image_store, local_node_name
+
+logger = logging.getLogger(__name__)
 
 
 def image_resolve(ref: str) -> Image:
@@ -75,3 +84,123 @@ def image_pull(*, ref: str, name: str | None = None, tls_verify: bool = True,
                progress: Callable[[str], None] | None = None) -> Image:  # fmt: skip
     info = image_store().pull(ref, name=name, tls_verify=tls_verify, progress=progress)
     return image_register(info=info, name=info.name or ref)
+
+
+# -- jobs: builds and pulls with their progress -------------------------------------------------
+
+JOB_LOG_BYTES = 64 * 1024  # the tail of a job's progress kept on its row
+JOB_FLUSH_S = 0.3  # progress reaches the row (and the page) at most this often
+BUILDABLE = ("busybox", "base")
+
+
+def image_job_start(
+    *, kind: str, ref: str, user: Any, name: str = "", tls_verify: bool = True, node_name: str | None = None
+) -> ImageJob:
+    """Queue a build (``ref`` busybox or base) or a registry pull (``ref`` a reference) on a
+    node: this one's by default. Images are shared by every team, so only staff may."""
+    if not getattr(user, "is_staff", False):
+        raise Forbidden("only Hangar's administrators (staff users) can build or pull images")
+    ref = (ref or "").strip().removeprefix("docker://")
+    name = (name or "").strip()
+    if kind == ImageJob.Kind.BUILD:
+        if ref not in BUILDABLE:
+            raise InvalidValue(f"unknown image kind {ref!r}; buildable: {', '.join(BUILDABLE)}")
+    elif kind == ImageJob.Kind.PULL:
+        if not ref or ref.startswith("-") or any(c.isspace() for c in ref) or len(ref) > 300:
+            raise InvalidValue(f"invalid image reference {ref!r}: e.g. registry.example.com/team/app:1.2")
+        if not name and not NAME_RE.fullmatch(ref):
+            raise InvalidValue(f"{ref!r} is not usable as an image name here; give it a name")
+    else:
+        raise InvalidValue(f"unknown job kind {kind!r}: build or pull")
+    if name:
+        try:
+            validate_name(name)
+        except ImageError as exc:
+            raise InvalidValue(str(exc)) from None
+    node = Node.objects.filter(name=node_name or local_node_name()).first()
+    if node is None:
+        raise NotFound(f"no node named {node_name or local_node_name()!r}")
+    job = ImageJob.objects.create(
+        kind=kind, ref=ref, name=name, tls_verify=tls_verify, node=node, created_by=user
+    )
+    transaction.on_commit(lambda: _enqueue_job(job.id, node.name))
+    return job
+
+
+def _enqueue_job(job_id: int, node_name: str) -> None:
+    from kombu.exceptions import OperationalError
+
+    from .. import tasks
+    from ..node import node_queue
+
+    try:
+        tasks.image_job.apply_async(args=[job_id], queue=node_queue(node_name), retry=True,
+                                    retry_policy={"max_retries": 3, "interval_start": 0.2})  # fmt: skip
+    except OperationalError as exc:
+        _finish(job_id, error=f"the task queue is unreachable: {exc}")
+
+
+def image_jobs_recent(*, limit: int = 20) -> list[ImageJob]:
+    return list(ImageJob.objects.select_related("node", "image", "created_by")[:limit])
+
+
+def image_job_get(*, job_id: int) -> ImageJob:
+    job = ImageJob.objects.select_related("node", "image", "created_by").filter(id=job_id).first()
+    if job is None:
+        raise NotFound(f"no image job {job_id}")
+    return job
+
+
+class _JobLog:
+    """Collects a job's progress lines and writes the tail to its row now and then."""
+
+    def __init__(self, job_id: int) -> None:
+        self.job_id = job_id
+        self.text = ""
+        self.flushed_at = 0.0
+
+    def __call__(self, line: str) -> None:
+        self.text = (self.text + line.rstrip("\n") + "\n")[-JOB_LOG_BYTES:]
+        if time.monotonic() - self.flushed_at >= JOB_FLUSH_S:
+            self.flush()
+
+    def flush(self) -> None:
+        self.flushed_at = time.monotonic()
+        ImageJob.objects.filter(id=self.job_id).update(log=self.text)
+        notify.image_job_changed(self.job_id)
+
+
+def image_job_run(*, job_id: int) -> None:
+    """On the job's node: run it, writing progress to its row as it goes. Runs once: a
+    duplicate delivery finds the job no longer queued."""
+    now = timezone.now()
+    if not ImageJob.objects.filter(id=job_id, status=ImageJob.Status.QUEUED).update(
+        status=ImageJob.Status.RUNNING, started_at=now
+    ):
+        return
+    job = ImageJob.objects.get(id=job_id)
+    notify.image_job_changed(job_id)
+    log = _JobLog(job_id)
+    try:
+        if job.kind == ImageJob.Kind.BUILD:
+            image = image_build(kind=job.ref, progress=log)
+        else:
+            image = image_pull(ref=job.ref, name=job.name or None, tls_verify=job.tls_verify, progress=log)
+    except (ImageError, ServiceError) as exc:
+        log.flush()
+        _finish(job_id, error=getattr(exc, "message", None) or str(exc))
+    except Exception as exc:  # the row must always end
+        logger.exception("image job %s failed", job_id)
+        log.flush()
+        _finish(job_id, error=f"internal error: {exc}")
+    else:
+        log.flush()
+        _finish(job_id, image=image)
+
+
+def _finish(job_id: int, *, error: str = "", image: Image | None = None) -> None:
+    ImageJob.objects.filter(id=job_id, status__in=[ImageJob.Status.QUEUED, ImageJob.Status.RUNNING]).update(
+        status=ImageJob.Status.FAILED if error else ImageJob.Status.SUCCEEDED,
+        error=error, image=image, finished_at=timezone.now(),
+    )  # fmt: skip
+    notify.image_job_changed(job_id)

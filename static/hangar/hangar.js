@@ -17,9 +17,17 @@
   });
 
   function afterLivePush() {
+    followJobLog();
     dedupeEvents();
     refreshTabIfStale();
     tickCountdowns();
+  }
+
+  // An image job's log is redrawn on each push: keep showing its end, and stop listening once
+  // the job is over (the server closes the socket then too).
+  function followJobLog() {
+    var log = document.getElementById("job-log");
+    if (log) log.scrollTop = log.scrollHeight;
   }
 
   // A socket that reconnects asks again for events after the id it was opened with.

@@ -185,3 +185,26 @@ def test_the_list_follows_status_changes_live_and_events_show_them(page):
     kinds = page.locator("#events-body").inner_text()
     assert "running" in kinds and "stopped" in kinds, kinds
     page.screenshot(path=SHOTS / "08-events.png")
+
+
+def test_staff_build_an_image_and_watch_its_progress(page):
+    from django.contrib.auth import get_user_model
+
+    get_user_model().objects.create_user("root", password="pw", is_staff=True)
+    page.goto("/login/")
+    page.fill("#id_username", "root")
+    page.fill("#id_password", "pw")
+    page.click("#login-form button[type=submit]")
+    page.wait_for_url(re.compile(r"/(sandboxes/)?$"))
+    page.goto("/images/")
+    page.select_option("#build-kind", "busybox")
+    page.click("#build-button")
+    page.wait_for_url(re.compile(r"/images/jobs/\d+/$"))
+    # The page follows the job over its websocket: the outcome and the log arrive by themselves.
+    page.wait_for_selector('#job-view[data-status="succeeded"]', timeout=120_000)
+    assert "building busybox" in page.inner_text("#job-log")
+    assert page.locator("#job-done").is_visible()
+    page.screenshot(path=SHOTS / "09-image-job.png")
+    page.goto("/images/")
+    assert page.locator("#jobs-body tr[data-status='succeeded']").count() == 1
+    page.screenshot(path=SHOTS / "10-images.png")
