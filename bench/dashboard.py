@@ -7,7 +7,9 @@ bridge, the sandbox's agent and a gVisor PTY:
     100th key is Enter;
 (b) terminal throughput: `cat` of a file of --mb megabytes in the terminal, read through the
     websocket with flow control on (`?flow=1`, every frame acknowledged as xterm.js does);
-(c) pages with 1,000 sandboxes in the team: the sandboxes list (first and a later page), a
+(c) Ctrl-C while `yes` floods a terminal (read and acknowledged as xterm.js does): time until
+    the prompt is back;
+(d) pages with 1,000 sandboxes in the team: the sandboxes list (first and a later page), a
     sandbox's page and the overview, signed in as the admin.
 
 Starts its own `hangar up` on the embedded default in a temporary data dir. Prints a table and
@@ -53,7 +55,11 @@ class Terminal:
         try:
             await asyncio.wait_for(self._until(needle), timeout)
         except TimeoutError:
-            raise RuntimeError(f"{needle!r} did not come within {timeout} s; last: {bytes(self.buf[-200:])!r}") from None
+            if needle == b"never":
+                raise
+            raise RuntimeError(
+                f"{needle!r} did not come within {timeout} s; last: {bytes(self.buf[-200:])!r}"
+            ) from None
 
     async def _until(self, needle: bytes) -> None:
         if True:
@@ -96,6 +102,29 @@ async def keystroke_echo(ws_url: str, token: str, n: int) -> list[float]:
             times.append(time.perf_counter() - start)
         await ws.send(b"\x03")  # ^C: cat ends
         await term.until(PROMPT)
+    return times
+
+
+async def ctrl_c_under_flood(ws_url: str, token: str, rounds: int) -> list[float]:
+    """`yes` flat out for a second, read and acknowledged like a browser; then ^C: time until
+    the prompt is back."""
+    headers = {"Authorization": f"Bearer {token}"}
+    times = []
+    async with websockets.connect(f"{ws_url}?flow=1", additional_headers=headers, max_size=None) as ws:
+        term = Terminal(ws, flow=True)
+        await ws.send(b"\n")
+        await term.until(PROMPT)
+        for _ in range(rounds):
+            await ws.send(b"yes\n")
+            await term.until(b"y\r\n" * 100)
+            try:
+                await asyncio.wait_for(term.until(b"never"), 1.0)  # read flat out for a second
+            except TimeoutError:
+                pass
+            start = time.perf_counter()
+            await ws.send(b"\x03")
+            await term.until(PROMPT, timeout=30)
+            times.append(time.perf_counter() - start)
     return times
 
 
@@ -198,6 +227,9 @@ def main() -> int:
             keys = asyncio.run(keystroke_echo(ws_url, hangar.token, args.keys))
             results["keystroke_echo"] = ms(keys)
 
+            print("Ctrl-C under `yes`: 10 rounds…", flush=True)
+            results["ctrl_c_prompt_back"] = ms(asyncio.run(ctrl_c_under_flood(ws_url, hangar.token, 10)))
+
             size = args.mb * 1_000_000
             line = "0123456789abcdefghijklmnopqrstuvwxyz0123456789abcdefghijklmnopqrstuvwxyzABCDEFG"
             made = api.post(
@@ -233,6 +265,9 @@ def main() -> int:
     print(
         f"{'keystroke echo (ms), n=' + str(k['n']):<44} {k['median_ms']:>10.2f} {k['p99_ms']:>10.2f} {k['max_ms']:>10.2f}"
     )
+    c2 = results["ctrl_c_prompt_back"]
+    label = f"Ctrl-C under yes: prompt back (ms), n={c2['n']}"
+    print(f"{label:<44} {c2['median_ms']:>10.2f} {c2['p99_ms']:>10.2f} {c2['max_ms']:>10.2f}")
     for name, t in results["pages"].items():
         label = f"{name} (ms)"
         print(f"{label:<44} {t['median_ms']:>10.2f} {t['p99_ms']:>10.2f} {t['max_ms']:>10.2f}")
