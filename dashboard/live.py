@@ -54,7 +54,9 @@ class Hub:
             client = aioredis.Redis.from_url(settings.REDIS_URL)
             try:
                 pubsub = client.pubsub(ignore_subscribe_messages=True)
-                await pubsub.psubscribe("hangar:team:*", "hangar:sandbox:*", "hangar:images", "hangar:image-job:*")
+                await pubsub.psubscribe(
+                    "hangar:team:*", "hangar:sandbox:*", "hangar:images", "hangar:image-job:*"
+                )
                 ready.set()
                 async for message in pubsub.listen():
                     if message.get("type") != "pmessage":

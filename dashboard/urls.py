@@ -25,6 +25,7 @@ urlpatterns = [
     path("sandboxes/<str:sandbox_id>/files/download", views.file_download, name="file_download"),
     path("sandboxes/<str:sandbox_id>/files/upload", views.file_upload, name="file_upload"),
     path("images/", views.images, name="images"),
+    path("volumes/", views.volumes, name="volumes"),
     path("images/jobs/<int:job_id>/", views.image_job, name="image_job"),
     path("", views.overview, name="overview"),
 ]

@@ -42,9 +42,11 @@ from django.views.decorators.http import require_GET, require_http_methods, requ
 from runtime.errors import InvalidValue, ServiceError
 from runtime.launchers import launcher_names
 from runtime.models import Exec, Image, ImageJob, Membership, Sandbox, Team, Terminal
+from runtime.node import local_node_name
 from runtime.services import images as image_svc
 from runtime.services import processes as proc_svc
 from runtime.services import sandboxes as svc
+from runtime.services import volumes as volume_svc
 from runtime.services.nodes import nodes_with_usage
 
 from .forms import SandboxCreateForm
@@ -768,3 +770,48 @@ def image_job(request: HttpRequest, job_id: int) -> HttpResponse:
     except ServiceError as exc:
         raise Http404(exc.message) from None
     return _render(request, "hangar/image_job.html", {"section": "images", "job": job}, tc)
+
+
+# -- volumes ----------------------------------------------------------------------------------
+
+
+@login_required
+def volumes(request: HttpRequest) -> HttpResponse:
+    """The team's volumes: size, space in use, node, the sandboxes holding each; members create
+    and delete them here (deleting one that is held is refused, naming the holders)."""
+    tc = _team_context(request)
+    error, status = "", 200
+    if request.method == "POST":
+        if not tc.can_change or tc.team is None:
+            return HttpResponseForbidden(VIEWER_REFUSAL)
+        try:
+            if request.POST.get("action") == "delete":
+                volume = volume_svc.volume_get(team=tc.team, volume=request.POST.get("volume", ""))
+                volume_svc.volume_delete(volume=volume)
+                messages.success(request, f"Volume {volume.name} deleted.")
+            else:
+                try:
+                    size_mb = int(request.POST.get("size_mb", ""))
+                except ValueError:
+                    raise InvalidValue("size_mb must be a whole number of megabytes") from None
+                volume = volume_svc.volume_create(
+                    team=tc.team, name=request.POST.get("name", ""), size_mb=size_mb, user=request.user
+                )
+                messages.success(request, f"Volume {volume.name} created ({volume.size_mb} MB).")
+        except ServiceError as exc:
+            error, status = exc.message, exc.status_code
+        else:
+            return redirect("volumes")
+    rows = []
+    if tc.team is not None:
+        local = local_node_name()
+        for v in volume_svc.volumes_for_team(team=tc.team):
+            usage = volume_svc.volume_usage(v) if v.node and v.node.name == local else None
+            rows.append({"volume": v, "usage": usage, "holders": volume_svc.volume_holders(v)})
+    context = {
+        "section": "volumes",
+        "rows": rows,
+        "error": error,
+        "posted": request.POST if request.method == "POST" else {},
+    }
+    return _render(request, "hangar/volumes.html", context, tc, status=status)

@@ -26,6 +26,10 @@ def new_terminal_id() -> str:
     return new_id("tm", 12)
 
 
+def new_volume_id() -> str:
+    return new_id("vol", 12)
+
+
 class Team(models.Model):
     name = models.CharField(max_length=100, unique=True)
     created_at = models.DateTimeField(auto_now_add=True)
@@ -145,6 +149,25 @@ class ImageJob(models.Model):
         return (end - self.started_at).total_seconds()
 
 
+class Volume(models.Model):
+    """A team's persistent filesystem of a fixed size, kept on one node, mounted into the
+    sandboxes that attach it. Deleting a sandbox never deletes a volume."""
+
+    id = models.CharField(primary_key=True, max_length=32, default=new_volume_id, editable=False)
+    team = models.ForeignKey(Team, on_delete=models.CASCADE, related_name="volumes")
+    name = models.CharField(max_length=64)
+    size_mb = models.IntegerField()
+    node = models.ForeignKey(Node, null=True, on_delete=models.SET_NULL, related_name="volumes")
+    created_by = models.ForeignKey(settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL)
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        constraints = [models.UniqueConstraint(fields=["team", "name"], name="volume_name_unique_in_team")]
+
+    def __str__(self) -> str:
+        return self.name
+
+
 class Sandbox(models.Model):
     class Status(models.TextChoices):
         PENDING = "pending"
@@ -187,6 +210,21 @@ class Sandbox(models.Model):
 
     def __str__(self) -> str:
         return self.id
+
+
+class SandboxVolume(models.Model):
+    """A volume attached to a sandbox at ``mount_path``. The attachment holds the volume (it
+    cannot be deleted) until the sandbox is deleted."""
+
+    sandbox = models.ForeignKey(Sandbox, on_delete=models.CASCADE, related_name="volume_mounts")
+    volume = models.ForeignKey(Volume, on_delete=models.CASCADE, related_name="attachments")
+    mount_path = models.CharField(max_length=512)
+    read_only = models.BooleanField(default=False)
+
+    class Meta:
+        constraints = [
+            models.UniqueConstraint(fields=["sandbox", "mount_path"], name="one_volume_per_mount_path")
+        ]
 
 
 class SandboxEvent(models.Model):

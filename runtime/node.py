@@ -9,6 +9,7 @@ from django.conf import settings
 from .launchers import get_launcher, launcher_names
 from .launchers.base import Launcher
 from .launchers.images import ImageStore
+from .launchers.volumes import VolumeStore
 
 
 def local_node_name() -> str:
@@ -42,6 +43,10 @@ def _store(path: str) -> ImageStore:
 
 def image_store() -> ImageStore:
     return _store(str(settings.HANGAR_IMAGES_DIR))
+
+
+def volume_store() -> VolumeStore:
+    return VolumeStore(settings.HANGAR_VOLUMES_DIR)
 
 
 def node_memory_mb() -> int:

@@ -49,6 +49,17 @@ def node_op(op: str, sandbox_id: str, payload: dict[str, Any]) -> dict[str, Any]
 
 
 @shared_task(acks_late=False)
+def volume_op(op: str, volume_id: str, payload: dict[str, Any]) -> dict[str, Any]:
+    from .launchers.volumes import VolumeError
+    from .services import volumes as volume_services
+
+    try:
+        return volume_services.volume_op(op=op, volume_id=volume_id, payload=payload)
+    except VolumeError as exc:
+        return {"error": str(exc)}
+
+
+@shared_task(acks_late=False)
 def image_job(job_id: int) -> None:
     image_services.image_job_run(job_id=job_id)
 

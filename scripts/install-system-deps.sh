@@ -14,6 +14,7 @@ have mmdebstrap || need+=(mmdebstrap)
 have docker-registry || need+=(docker-registry)
 python3 -c 'import venv, ensurepip' 2>/dev/null || need+=(python3-venv)
 have ps || need+=(procps)
+have mkfs.ext4 || need+=(e2fsprogs)
 if [ ${#need[@]} -gt 0 ]; then
   if [ "$(id -u)" != 0 ]; then
     echo "Hangar needs these Debian packages, and installing them needs root: ${need[*]}" >&2

@@ -160,6 +160,7 @@ def local_node(transactional_db):
     image_build(kind="busybox")
     yield node
     _destroy_all_sandboxes()
+    _delete_all_volumes()
 
 
 def _destroy_all_sandboxes() -> None:
@@ -168,6 +169,15 @@ def _destroy_all_sandboxes() -> None:
     launcher = launcher_for("gvisor")
     for sandbox_id in launcher.list():
         launcher.destroy_id(sandbox_id)
+
+
+def _delete_all_volumes() -> None:
+    """Volumes are loop mounts on this machine: none may outlive the test that made it."""
+    from runtime.node import volume_store
+
+    store = volume_store()
+    for volume_id in store.list():
+        store.delete(volume_id)
 
 
 def _member_token(username: str, team_name: str) -> str:

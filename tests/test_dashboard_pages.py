@@ -652,3 +652,39 @@ def test_staff_start_a_build_and_land_on_its_page(client, alpha):
     page = client.get(r["Location"]).content.decode()
     assert f'ws-connect="/ws/ui/images/jobs/{job.id}"' in page and "Waiting for node test-node" in page
     assert client.get("/images/jobs/424242/").status_code == 404
+
+
+# -- volumes --------------------------------------------------------------------------------------
+
+
+@pytest.mark.django_db
+def test_volumes_page_lists_the_teams_volumes_with_their_holders(client, ann, alpha, beta):
+    from runtime.models import SandboxVolume, Volume
+
+    node = node_register(name="node-a", runtimes=["gvisor"], cpu=4, memory_mb=8192)
+    mine = Volume.objects.create(team=alpha, name="workspace", size_mb=1024, node=node)
+    Volume.objects.create(team=beta, name="secret-stuff", size_mb=64, node=node)
+    holder = _sandbox(alpha)
+    SandboxVolume.objects.create(sandbox=holder, volume=mine, mount_path="/workspace")
+    page = client.get("/volumes/").content.decode()
+    assert f'id="vol-{mine.id}"' in page and "1024 MB" in page and holder.id in page
+    assert "secret-stuff" not in page
+    # Deleting a held volume is refused with the holders named, and nothing is lost.
+    r = client.post("/volumes/", {"action": "delete", "volume": mine.id})
+    assert r.status_code == 409 and holder.id in r.content.decode()
+    assert Volume.objects.filter(id=mine.id).exists()
+    r = client.post("/volumes/", {"action": "create", "name": "Bad Name", "size_mb": "64"})
+    assert r.status_code == 422 and "invalid volume name" in r.content.decode()
+    assert 'value="Bad Name"' in r.content.decode()
+    # The sandbox page says what it has attached.
+    detail = client.get(f"/sandboxes/{holder.id}/").content.decode()
+    assert 'id="sb-volumes"' in detail and "/workspace" in detail
+
+
+@pytest.mark.django_db
+def test_viewers_cannot_create_or_delete_volumes(client, alpha):
+    viewer = _member("vic", alpha, role=Membership.Role.VIEWER)
+    client.force_login(viewer)
+    page = client.get("/volumes/").content.decode()
+    assert 'id="volume-form"' not in page
+    assert client.post("/volumes/", {"action": "create", "name": "x", "size_mb": "64"}).status_code == 403

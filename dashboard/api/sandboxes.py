@@ -14,10 +14,24 @@ from pydantic import Field
 from runtime.errors import InvalidValue
 from runtime.models import Exec, Sandbox, SandboxEvent
 from runtime.services import sandboxes as svc
+from runtime.services import volumes as volume_svc
 
 from .blocking import blocking
 
 router = Router(tags=["sandboxes"])
+
+
+class VolumeMountIn(Schema):
+    volume: str = Field(description="the volume's id or name")
+    mount_path: str = Field(description="where it appears in the sandbox, e.g. /workspace")
+    read_only: bool = False
+
+
+class VolumeMountOut(Schema):
+    volume: str
+    name: str
+    mount_path: str
+    read_only: bool
 
 
 class SandboxIn(Schema):
@@ -28,6 +42,7 @@ class SandboxIn(Schema):
     timeout_s: int = 300
     env: dict[str, str] = {}
     metadata: dict[str, Any] = {}
+    volumes: list[VolumeMountIn] = Field([], max_length=16)
     wait: bool = True
 
 
@@ -47,10 +62,20 @@ class SandboxOut(Schema):
     stopped_at: datetime | None
     expires_at: datetime | None
     metadata: dict[str, Any]
+    volumes: list[VolumeMountOut]
 
     @staticmethod
     def resolve_node(obj: Sandbox) -> str | None:
         return obj.node.name if obj.node else None
+
+    @staticmethod
+    def resolve_volumes(obj: Sandbox) -> list[VolumeMountOut]:
+        return [
+            VolumeMountOut(
+                volume=m.volume_id, name=m.volume.name, mount_path=m.mount_path, read_only=m.read_only
+            )
+            for m in obj.volume_mounts.all()
+        ]
 
 
 class ExecIn(Schema):
@@ -117,6 +142,10 @@ def _team(request: HttpRequest):
     return request.auth.team  # type: ignore[attr-defined]
 
 
+# What a SandboxOut shows, loaded in the worker thread (never lazily in the event loop).
+_full = Sandbox.objects.select_related("node").prefetch_related("volume_mounts__volume")
+
+
 def _get(request: HttpRequest, sandbox_id: str) -> Sandbox:
     return svc.sandbox_get(team=_team(request), sandbox_id=sandbox_id)
 
@@ -131,10 +160,11 @@ async def create_sandbox(request: HttpRequest, payload: SandboxIn):
             team=_team(request), user=request.auth.user, image=payload.image,  # type: ignore[attr-defined]
             runtime=payload.runtime, cpu=payload.cpu, memory_mb=payload.memory_mb,
             timeout_s=payload.timeout_s, env=payload.env, metadata=payload.metadata,
+            volumes=[volume_svc.VolumeMount(v.volume, v.mount_path, v.read_only) for v in payload.volumes],
         )  # fmt: skip
         if payload.wait:
             sandbox = svc.sandbox_wait(sandbox=sandbox, timeout=settings.HANGAR_CREATE_WAIT_S)
-        return Sandbox.objects.select_related("node").get(id=sandbox.id)
+        return _full.get(id=sandbox.id)
 
     return 201, await blocking(create)()
 
@@ -153,7 +183,7 @@ async def list_sandboxes(request: HttpRequest, filters: Query[ListFilter]):
 
 @router.get("/{sandbox_id}", response=SandboxOut)
 async def get_sandbox(request: HttpRequest, sandbox_id: str):
-    return await blocking(_get)(request, sandbox_id)
+    return await blocking(lambda: _full.get(id=_get(request, sandbox_id).id))()
 
 
 @router.delete("/{sandbox_id}", response={204: None})
@@ -202,7 +232,7 @@ async def _exec_live(request: HttpRequest, sandbox_id: str, payload: ExecIn):
     from .processes import ndjson_events, ndjson_response
 
     sandbox = await blocking(
-        lambda: Sandbox.objects.select_related("node").get(pk=_get(request, sandbox_id).pk)
+        lambda: _full.get(pk=_get(request, sandbox_id).pk)
     )()
     timeout_s = payload.timeout_s if payload.timeout_s is not None else (None if payload.background else 60)
     row = await proc_svc.process_start(
@@ -229,7 +259,7 @@ async def keepalive(request: HttpRequest, sandbox_id: str, payload: KeepaliveIn)
 
     def extend() -> Sandbox:
         sandbox = svc.sandbox_keepalive(sandbox=_get(request, sandbox_id), timeout_s=payload.timeout_s)
-        return Sandbox.objects.select_related("node").get(id=sandbox.id)
+        return _full.get(id=sandbox.id)
 
     return await blocking(extend)()
 
@@ -241,7 +271,7 @@ async def stop_sandbox(request: HttpRequest, sandbox_id: str):
 
     def stop() -> Sandbox:
         svc.sandbox_stop(sandbox=_get(request, sandbox_id), reason="stopped through the API")
-        return Sandbox.objects.select_related("node").get(id=sandbox_id)
+        return _full.get(id=sandbox_id)
 
     return await blocking(stop)()
 

@@ -57,7 +57,7 @@ def nodes_with_usage():
     ).order_by("name")
 
 
-def node_pick(*, runtime: str, cpu: float, memory_mb: int, image: Image) -> Node:
+def node_pick(*, runtime: str, cpu: float, memory_mb: int, image: Image, node_id: int | None = None) -> Node:
     """The online node with the most free memory that runs ``runtime``, holds the image and has
     room. Call inside a transaction: the chosen node's row stays locked until commit so two
     concurrent creates cannot both take its last unit of room."""
@@ -75,6 +75,12 @@ def node_pick(*, runtime: str, cpu: float, memory_mb: int, image: Image) -> Node
             f"no online node runs runtime {runtime!r}"
             + (f"; available: {', '.join(runtimes)}" if runtimes else "")
         )
+    if node_id is not None:  # its volumes are there
+        candidates = [n for n in candidates if n.id == node_id]
+        if not candidates:
+            raise NoCapacity(
+                "the node that holds the sandbox's volumes is offline or does not run that runtime"
+            )
     holding = set(image.nodes.values_list("id", flat=True))
     with_image = [n for n in candidates if n.id in holding]
     if not with_image:

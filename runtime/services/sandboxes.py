@@ -29,10 +29,12 @@ from ..launchers.base import (
     SandboxSpec,
 )
 from ..launchers.images import ImageError
+from ..launchers.volumes import VolumeError
 from ..lifecycle import record_event, transition
 from ..models import Exec, Sandbox, Team
 from ..node import image_store, launcher_for, local_node_name
 from ..notify import wait_for_status
+from . import volumes as volume_svc
 from .images import image_resolve
 from .nodes import node_pick
 
@@ -45,7 +47,7 @@ SETTLED = (S.RUNNING, S.FAILED, S.STOPPING, S.STOPPED, S.DELETED)
 
 
 def sandboxes_for_team(*, team: Team, status: str | None = None) -> QuerySet[Sandbox]:
-    qs = Sandbox.objects.filter(team=team).select_related("node")
+    qs = Sandbox.objects.filter(team=team).select_related("node").prefetch_related("volume_mounts__volume")
     if status:
         if status not in S.values:
             raise InvalidValue(f"unknown status {status!r}; one of: {', '.join(S.values)}")
@@ -97,15 +99,21 @@ def sandbox_create(
     timeout_s: int = 300,
     env: dict[str, str] | None = None,
     metadata: dict[str, Any] | None = None,
+    volumes: list[volume_svc.VolumeMount] | None = None,
 ) -> Sandbox:
-    """Write a pending sandbox on a node with room and enqueue its provisioning on that node."""
+    """Write a pending sandbox on a node with room (the node of its volumes, if it attaches
+    any) and enqueue its provisioning on that node."""
     env = env or {}
     _validate_limits(cpu=cpu, memory_mb=memory_mb, timeout_s=timeout_s)
     _validate_env(env)
     image_row = image_resolve(image)
+    mounts = volume_svc.resolve_mounts(team=team, mounts=volumes or [])
     now = timezone.now()
     with transaction.atomic():
-        node = node_pick(runtime=runtime, cpu=cpu, memory_mb=memory_mb, image=image_row)
+        node = node_pick(
+            runtime=runtime, cpu=cpu, memory_mb=memory_mb, image=image_row,
+            node_id=volume_svc.volume_node_id(mounts),
+        )  # fmt: skip
         sandbox = Sandbox.objects.create(
             team=team,
             created_by=user if user is not None and user.is_authenticated else None,
@@ -120,6 +128,7 @@ def sandbox_create(
             metadata=metadata or {},
             expires_at=now + timedelta(seconds=timeout_s),
         )
+        volume_svc.attach(sandbox=sandbox, resolved=mounts)
         record_event(sandbox.id, "status", f"scheduled on node {node.name}", node=node.name)
         transaction.on_commit(lambda: _enqueue("provision", sandbox.id, node.queue))
     return sandbox
@@ -170,7 +179,15 @@ def sandbox_provision(*, sandbox_id: str) -> None:
         )
         return
     image_env = dict(e.split("=", 1) for e in info.config.get("env") or [] if "=" in e)
+    try:
+        mounts = volume_svc.sandbox_mounts(sandbox)
+    except VolumeError as exc:
+        transition(
+            sandbox_id, to=S.FAILED, frm=[S.STARTING], reason=f"its volumes could not be mounted: {exc}"
+        )
+        return
     spec = SandboxSpec(
+        mounts=mounts,
         id=sandbox.id,
         rootfs=info.rootfs,
         cpu=sandbox.cpu,

@@ -208,3 +208,14 @@ def test_staff_build_an_image_and_watch_its_progress(page):
     page.goto("/images/")
     assert page.locator("#jobs-body tr[data-status='succeeded']").count() == 1
     page.screenshot(path=SHOTS / "10-images.png")
+
+
+def test_create_a_volume_from_the_volumes_page(page):
+    sign_in(page)
+    page.goto("/volumes/")
+    page.fill("#volume-name", "workspace")
+    page.fill("#volume-size", "64")
+    page.click("#volume-create")
+    row = page.wait_for_selector('#volume-list tr[data-name="workspace"]')
+    assert "64 MB" in row.inner_text() and "nothing" in row.inner_text()
+    page.screenshot(path=SHOTS / "11-volumes.png")

@@ -1,0 +1,88 @@
+"""/api/v1/volumes: a team's persistent filesystems. Attach them when creating a sandbox with
+``volumes: [{volume, mount_path, read_only}]``."""
+
+from __future__ import annotations
+
+from datetime import datetime
+
+from django.http import HttpRequest
+from ninja import Router, Schema
+from pydantic import Field
+
+from runtime.models import Volume
+from runtime.services import volumes as volume_svc
+
+from .blocking import blocking
+
+router = Router(tags=["volumes"])
+
+
+class VolumeIn(Schema):
+    name: str = Field(description="unique in the team: 1-64 of a-z 0-9 _ . -")
+    size_mb: int = Field(description="the filesystem's size; a write past it fails with ENOSPC")
+    node: str | None = Field(None, description="the node to keep it on (default: the API's own)")
+
+
+class VolumeOut(Schema):
+    id: str
+    name: str
+    size_mb: int
+    node: str | None
+    used_bytes: int | None = Field(None, description="space in use (only on GET of one volume)")
+    attached_to: list[str] = Field(description="the sandboxes (not deleted) that hold it")
+    created_at: datetime
+
+
+def _out(volume: Volume, usage: dict[str, int] | None = None) -> VolumeOut:
+    return VolumeOut(
+        id=volume.id, name=volume.name, size_mb=volume.size_mb, node=volume.node.name if volume.node else None,
+        used_bytes=usage["used_bytes"] if usage else None, attached_to=volume_svc.volume_holders(volume),
+        created_at=volume.created_at,
+    )  # fmt: skip
+
+
+def _team(request: HttpRequest):
+    return request.auth.team  # type: ignore[attr-defined]
+
+
+@router.post("", response={201: VolumeOut})
+async def create_volume(request: HttpRequest, payload: VolumeIn):
+    """Make a volume: an ext4 filesystem of `size_mb` on a node, empty, owned by root."""
+
+    def create() -> VolumeOut:
+        volume = volume_svc.volume_create(
+            team=_team(request), name=payload.name, size_mb=payload.size_mb, node_name=payload.node,
+            user=request.auth.user,  # type: ignore[attr-defined]
+        )  # fmt: skip
+        return _out(volume)
+
+    return 201, await blocking(create)()
+
+
+@router.get("", response=list[VolumeOut])
+async def list_volumes(request: HttpRequest):
+    """The team's volumes by name."""
+    return await blocking(lambda: [_out(v) for v in volume_svc.volumes_for_team(team=_team(request))])()
+
+
+@router.get("/{volume}", response=VolumeOut)
+async def get_volume(request: HttpRequest, volume: str):
+    """One volume, by id or name, with the space in use."""
+
+    def get() -> VolumeOut:
+        v = volume_svc.volume_get(team=_team(request), volume=volume)
+        return _out(v, volume_svc.volume_usage(v))
+
+    return await blocking(get)()
+
+
+@router.delete("/{volume}", response={204: None})
+async def delete_volume(request: HttpRequest, volume: str):
+    """Delete a volume and its data. Refused (409, with `sandboxes`) while a sandbox that is not
+    deleted holds it."""
+
+    def delete() -> None:
+        volume_svc.volume_delete(volume=volume_svc.volume_get(team=_team(request), volume=volume))
+
+    await blocking(delete)()
+    return 204, None

@@ -1,0 +1,210 @@
+"""Volumes: a team's persistent filesystems of a fixed size, kept on a node.
+
+Rules (the README says them too): deleting a sandbox never deletes a volume; a volume attached
+to a sandbox that is not deleted cannot be deleted (409, naming the sandboxes); a sandbox that
+attaches volumes runs on their node; the size is the filesystem's, so a write past it fails
+with ENOSPC inside the sandbox and the host is never filled.
+"""
+
+from __future__ import annotations
+
+import posixpath
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from django.conf import settings
+from django.db import IntegrityError, transaction
+from django.db.models import QuerySet
+
+from ..errors import Conflict, InvalidValue, NodeUnavailable, NotFound
+from ..launchers.base import Mount
+from ..launchers.volumes import VolumeError
+from ..models import Node, Sandbox, SandboxVolume, Team, Volume
+from ..node import local_node_name, volume_store
+
+NAME_RE = re.compile(r"[a-z0-9][a-z0-9_.-]{0,63}")
+RESERVED_PATHS = ("/proc", "/sys", "/dev", "/.hangar")
+MIN_MB = 16
+
+
+@dataclass(frozen=True)
+class VolumeMount:
+    """One entry of a create request's ``volumes``: a volume (id or name) and where it goes."""
+
+    volume: str
+    mount_path: str
+    read_only: bool = False
+
+
+def volumes_for_team(*, team: Team) -> QuerySet[Volume]:
+    return Volume.objects.filter(team=team).select_related("node").order_by("name")
+
+
+def volume_get(*, team: Team, volume: str) -> Volume:
+    """A volume of the team by id or by name; 404 for anything else, another team's included."""
+    found = Volume.objects.select_related("node").filter(team=team).filter(id=volume).first()
+    if found is None:
+        found = Volume.objects.select_related("node").filter(team=team, name=volume).first()
+    if found is None:
+        raise NotFound(f"no volume {volume!r} in this team")
+    return found
+
+
+def volume_holders(volume: Volume) -> list[str]:
+    """Ids of the sandboxes (not deleted) that hold the volume."""
+    return sorted(
+        SandboxVolume.objects.filter(volume=volume)
+        .exclude(sandbox__status=Sandbox.Status.DELETED)
+        .values_list("sandbox_id", flat=True)
+        .distinct()
+    )
+
+
+def volume_create(
+    *, team: Team, name: str, size_mb: int, user: Any = None, node_name: str | None = None
+) -> Volume:
+    name = (name or "").strip()
+    if not NAME_RE.fullmatch(name):
+        raise InvalidValue(
+            f"invalid volume name {name!r}: 1-64 of a-z 0-9 _ . - starting with a letter or digit"
+        )
+    limit = settings.HANGAR_VOLUME_MAX_MB
+    if not isinstance(size_mb, int) or not MIN_MB <= size_mb <= limit:
+        raise InvalidValue(f"size_mb must be between {MIN_MB} and {limit}, got {size_mb}")
+    wanted = node_name or local_node_name()
+    node = Node.objects.filter(name=wanted).first()
+    if node is None:
+        raise NotFound(f"no node named {wanted!r}")
+    try:
+        with transaction.atomic():
+            volume = Volume.objects.create(
+                team=team, name=name, size_mb=size_mb, node=node,
+                created_by=user if user is not None and getattr(user, "is_authenticated", False) else None,
+            )  # fmt: skip
+    except IntegrityError:
+        raise Conflict(f"this team already has a volume named {name!r}") from None
+    try:
+        _on_node(volume, "create", {"size_mb": size_mb})
+    except Exception:
+        volume.delete()  # no data was made: the name is free again
+        raise
+    return volume
+
+
+def volume_usage(volume: Volume) -> dict[str, int] | None:
+    """{used_bytes, total_bytes} of the volume's filesystem, or None if its node cannot say."""
+    try:
+        return _on_node(volume, "usage", {})
+    except NodeUnavailable:
+        return None
+
+
+def volume_delete(*, volume: Volume) -> None:
+    holders = volume_holders(volume)
+    if holders:
+        raise Conflict(
+            f"volume {volume.name!r} is attached to {', '.join(holders)}; delete those sandboxes first",
+            sandboxes=holders,
+        )
+    _on_node(volume, "delete", {})
+    volume.delete()
+
+
+# -- attaching to sandboxes -----------------------------------------------------------------
+
+
+def resolve_mounts(*, team: Team, mounts: list[VolumeMount]) -> list[tuple[Volume, VolumeMount]]:
+    """Check a create request's volumes: the team's own, sane distinct mount paths, one node."""
+    resolved: list[tuple[Volume, VolumeMount]] = []
+    paths: set[str] = set()
+    for m in mounts:
+        path = m.mount_path
+        if (
+            not isinstance(path, str)
+            or not path.startswith("/")
+            or posixpath.normpath(path) != path
+            or path == "/"
+        ):
+            raise InvalidValue(f"mount_path must be an absolute, normalised path other than /, got {path!r}")
+        if any(path == r or path.startswith(r + "/") for r in RESERVED_PATHS):
+            raise InvalidValue(f"mount_path {path!r} is reserved ({', '.join(RESERVED_PATHS)})")
+        if len(path) > 512:
+            raise InvalidValue("mount_path is longer than 512 characters")
+        if path in paths:
+            raise InvalidValue(f"two volumes at {path!r}")
+        paths.add(path)
+        resolved.append((volume_get(team=team, volume=m.volume), m))
+    nodes = {v.node_id for v, _ in resolved}
+    if len(nodes) > 1:
+        raise InvalidValue(
+            "the volumes are on different nodes; a sandbox can only attach volumes of one node"
+        )
+    return resolved
+
+
+def volume_node_id(resolved: list[tuple[Volume, VolumeMount]]) -> int | None:
+    return resolved[0][0].node_id if resolved else None
+
+
+def attach(*, sandbox: Sandbox, resolved: list[tuple[Volume, VolumeMount]]) -> None:
+    SandboxVolume.objects.bulk_create(
+        [
+            SandboxVolume(sandbox=sandbox, volume=v, mount_path=m.mount_path, read_only=m.read_only)
+            for v, m in resolved
+        ]
+    )
+
+
+def sandbox_mounts(sandbox: Sandbox) -> tuple[Mount, ...]:
+    """On the sandbox's node: mount its volumes on the host and say where they go inside."""
+    store = volume_store()
+    out = []
+    for sv in SandboxVolume.objects.filter(sandbox=sandbox).select_related("volume").order_by("mount_path"):
+        source = store.mount(sv.volume_id)
+        out.append(Mount(source=str(source), destination=sv.mount_path, read_only=sv.read_only))
+    return tuple(out)
+
+
+# -- on the volume's node -------------------------------------------------------------------
+
+
+def _on_node(volume: Volume, op: str, payload: dict[str, Any], timeout: float = 120) -> dict[str, Any]:
+    node = volume.node
+    if node is None:
+        raise NodeUnavailable(f"volume {volume.name!r} has lost its node")
+    if node.name == local_node_name():
+        try:
+            return volume_op(op=op, volume_id=volume.id, payload=payload)
+        except VolumeError as exc:
+            raise NodeUnavailable(f"volume {op} failed on node {node.name}: {exc}") from None
+    from celery.exceptions import TimeoutError as CeleryTimeout
+
+    from .. import tasks
+
+    result = tasks.volume_op.apply_async(args=[op, volume.id, payload], queue=node.queue)
+    try:
+        answer: dict[str, Any] = result.get(timeout=timeout, propagate=True)
+    except CeleryTimeout:
+        raise NodeUnavailable(f"node {node.name} did not answer within {timeout:.0f} s") from None
+    finally:
+        result.forget()
+    if "error" in answer:
+        raise NodeUnavailable(f"volume {op} failed on node {node.name}: {answer['error']}")
+    return answer
+
+
+def volume_op(*, op: str, volume_id: str, payload: dict[str, Any]) -> dict[str, Any]:
+    """The node side: JSON in, JSON out. Errors raise locally and come back as ``error``
+    through the queue (see the task)."""
+    store = volume_store()
+    if op == "create":
+        store.create(volume_id, int(payload["size_mb"]))
+        return {}
+    if op == "usage":
+        u = store.usage(volume_id)
+        return {"used_bytes": u.used_bytes, "total_bytes": u.total_bytes}
+    if op == "delete":
+        store.delete(volume_id)
+        return {}
+    raise VolumeError(f"unknown volume op {op!r}")
