@@ -61,6 +61,7 @@ VIEW_LIMIT = 256 * 1024
 FILTERS = [
     ("active", "Active"),
     (S.RUNNING, "Running"),
+    (S.PAUSED, "Paused"),
     (S.STOPPED, "Stopped"),
     (S.FAILED, "Failed"),
     (S.DELETED, "Deleted"),
@@ -522,6 +523,38 @@ def sandbox_stop(request: HttpRequest, sandbox_id: str) -> HttpResponse:
         messages.error(request, exc.message)
     else:
         messages.info(request, f"Stopping {sandbox.id}…")
+    return _after_action(request, tc, sandbox_id)
+
+
+@login_required
+@require_POST
+def sandbox_pause(request: HttpRequest, sandbox_id: str) -> HttpResponse:
+    tc = _team_context(request)
+    sandbox = _sandbox_or_404(tc, sandbox_id)
+    if not tc.can_change:
+        return HttpResponseForbidden(VIEWER_REFUSAL)
+    try:
+        svc.sandbox_pause(sandbox=sandbox)
+    except ServiceError as exc:
+        messages.error(request, exc.message)
+    else:
+        messages.info(request, f"Pausing {sandbox.id}…")
+    return _after_action(request, tc, sandbox_id)
+
+
+@login_required
+@require_POST
+def sandbox_resume(request: HttpRequest, sandbox_id: str) -> HttpResponse:
+    tc = _team_context(request)
+    sandbox = _sandbox_or_404(tc, sandbox_id)
+    if not tc.can_change:
+        return HttpResponseForbidden(VIEWER_REFUSAL)
+    try:
+        svc.sandbox_resume(sandbox=sandbox)
+    except ServiceError as exc:
+        messages.error(request, exc.message)
+    else:
+        messages.info(request, f"Resuming {sandbox.id}…")
     return _after_action(request, tc, sandbox_id)
 
 

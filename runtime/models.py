@@ -177,6 +177,9 @@ class Sandbox(models.Model):
         STOPPED = "stopped"
         FAILED = "failed"
         DELETED = "deleted"
+        PAUSING = "pausing"
+        PAUSED = "paused"  # processes gone, files kept: costs only its disk
+        RESUMING = "resuming"
 
     ACTIVE = (Status.PENDING, Status.STARTING, Status.RUNNING, Status.STOPPING)
 
@@ -200,6 +203,8 @@ class Sandbox(models.Model):
     stopped_at = models.DateTimeField(null=True, blank=True)
     expires_at = models.DateTimeField(null=True, blank=True, db_index=True)
     updated_at = models.DateTimeField(auto_now=True)
+    # An ephemeral sandbox keeps nothing outside its volumes when paused.
+    ephemeral = models.BooleanField(default=False)
 
     class Meta:
         ordering = ["-created_at"]

@@ -43,6 +43,25 @@ def halt(self, sandbox_id: str) -> None:
         raise self.retry(exc=exc) from exc
 
 
+@shared_task(bind=True, max_retries=5, default_retry_delay=3, acks_late=True)
+def suspend(self, sandbox_id: str) -> None:
+    try:
+        sandbox_services.sandbox_suspend(sandbox_id=sandbox_id)
+    except Exception as exc:
+        raise self.retry(exc=exc) from exc
+
+
+@shared_task(bind=True, max_retries=3, default_retry_delay=2, acks_late=True)
+def resume(self, sandbox_id: str) -> None:
+    try:
+        sandbox_services.sandbox_restart(sandbox_id=sandbox_id)
+    except Exception as exc:
+        if self.request.retries >= self.max_retries:
+            sandbox_services.sandbox_fail(sandbox_id=sandbox_id, reason=f"resuming failed: {exc}")
+            raise
+        raise self.retry(exc=exc) from exc
+
+
 @shared_task(acks_late=False)
 def node_op(op: str, sandbox_id: str, payload: dict[str, Any]) -> dict[str, Any]:
     return sandbox_services.node_op(op=op, sandbox_id=sandbox_id, payload=payload)

@@ -688,3 +688,23 @@ def test_viewers_cannot_create_or_delete_volumes(client, alpha):
     page = client.get("/volumes/").content.decode()
     assert 'id="volume-form"' not in page
     assert client.post("/volumes/", {"action": "create", "name": "x", "size_mb": "64"}).status_code == 403
+
+
+@pytest.mark.django_db
+def test_pause_and_resume_from_the_sandbox_page(client, ann, alpha):
+    node = node_register(name="node-a", runtimes=["gvisor"], cpu=4, memory_mb=8192)
+    Image.objects.create(name="busybox", digest="sha256:" + "b" * 64).nodes.add(node)
+    sb = _sandbox(alpha, node=node)
+    page = client.get(f"/sandboxes/{sb.id}/").content.decode()
+    assert 'id="pause-button"' in page and 'id="resume-button"' not in page
+    r = client.post(f"/sandboxes/{sb.id}/pause/")
+    assert r.status_code in (200, 302)
+    assert Sandbox.objects.get(id=sb.id).status == S.PAUSING
+    Sandbox.objects.filter(id=sb.id).update(status=S.PAUSED)  # what the node's task does
+    page = client.get(f"/sandboxes/{sb.id}/").content.decode()
+    assert 'id="resume-button"' in page and "its files are kept" in page
+    client.post(f"/sandboxes/{sb.id}/resume/")
+    assert Sandbox.objects.get(id=sb.id).status == S.RESUMING
+    # Pausing what is not running is refused with the reason, not an error page.
+    r = client.post(f"/sandboxes/{sb.id}/pause/", follow=True)
+    assert "only a running sandbox can be paused" in r.content.decode()

@@ -43,6 +43,7 @@ class SandboxIn(Schema):
     env: dict[str, str] = {}
     metadata: dict[str, Any] = {}
     volumes: list[VolumeMountIn] = Field([], max_length=16)
+    ephemeral: bool = Field(False, description="keep nothing outside volumes when paused")
     wait: bool = True
 
 
@@ -63,6 +64,7 @@ class SandboxOut(Schema):
     expires_at: datetime | None
     metadata: dict[str, Any]
     volumes: list[VolumeMountOut]
+    ephemeral: bool
 
     @staticmethod
     def resolve_node(obj: Sandbox) -> str | None:
@@ -161,6 +163,7 @@ async def create_sandbox(request: HttpRequest, payload: SandboxIn):
             runtime=payload.runtime, cpu=payload.cpu, memory_mb=payload.memory_mb,
             timeout_s=payload.timeout_s, env=payload.env, metadata=payload.metadata,
             volumes=[volume_svc.VolumeMount(v.volume, v.mount_path, v.read_only) for v in payload.volumes],
+            ephemeral=payload.ephemeral,
         )  # fmt: skip
         if payload.wait:
             sandbox = svc.sandbox_wait(sandbox=sandbox, timeout=settings.HANGAR_CREATE_WAIT_S)
@@ -231,9 +234,7 @@ async def _exec_live(request: HttpRequest, sandbox_id: str, payload: ExecIn):
 
     from .processes import ndjson_events, ndjson_response
 
-    sandbox = await blocking(
-        lambda: _full.get(pk=_get(request, sandbox_id).pk)
-    )()
+    sandbox = await blocking(lambda: _full.get(pk=_get(request, sandbox_id).pk))()
     timeout_s = payload.timeout_s if payload.timeout_s is not None else (None if payload.background else 60)
     row = await proc_svc.process_start(
         sandbox=sandbox, cmd=payload.cmd, kind=Exec.Kind.BACKGROUND if payload.background else Exec.Kind.STREAM,
@@ -262,6 +263,44 @@ async def keepalive(request: HttpRequest, sandbox_id: str, payload: KeepaliveIn)
         return _full.get(id=sandbox.id)
 
     return await blocking(extend)()
+
+
+class PauseIn(Schema):
+    mode: Literal["stop"] = Field("stop", description="stop: processes end, files stay")
+    wait: bool = Field(True, description="answer once it is paused")
+
+
+class ResumeIn(Schema):
+    wait: bool = Field(True, description="answer once it runs again")
+
+
+@router.post("/{sandbox_id}/pause", response=SandboxOut)
+async def pause_sandbox(request: HttpRequest, sandbox_id: str, payload: PauseIn):
+    """Pause a running sandbox: its processes and terminals end and its CPU and memory are
+    freed; its files stay, on volumes and (unless it is `ephemeral`) outside them. A paused
+    sandbox does not expire; resume it, or delete it."""
+
+    def pause() -> Sandbox:
+        sandbox = svc.sandbox_pause(sandbox=_get(request, sandbox_id), mode=payload.mode)
+        if payload.wait:
+            svc.sandbox_wait(sandbox=sandbox, timeout=settings.HANGAR_CREATE_WAIT_S,
+                             statuses=[Sandbox.Status.PAUSED, Sandbox.Status.FAILED, Sandbox.Status.DELETED])  # fmt: skip
+        return _full.get(id=sandbox_id)
+
+    return await blocking(pause)()
+
+
+@router.post("/{sandbox_id}/resume", response=SandboxOut)
+async def resume_sandbox(request: HttpRequest, sandbox_id: str, payload: ResumeIn):
+    """Start a paused sandbox again, over the files it had; its TTL starts afresh."""
+
+    def resume() -> Sandbox:
+        sandbox = svc.sandbox_resume(sandbox=_get(request, sandbox_id))
+        if payload.wait:
+            svc.sandbox_wait(sandbox=sandbox, timeout=settings.HANGAR_CREATE_WAIT_S)
+        return _full.get(id=sandbox_id)
+
+    return await blocking(resume)()
 
 
 @router.post("/{sandbox_id}/stop", response=SandboxOut)

@@ -202,6 +202,12 @@ class Launcher(abc.ABC):
         """Stop every process of the sandbox (SIGTERM, then SIGKILL after ``timeout``)."""
 
     @abc.abstractmethod
+    def suspend(self, sandbox_id: str, keep_files: bool = True) -> None:
+        """End every process of the sandbox and free its CPU and memory, keeping what it wrote
+        to its root filesystem (unless ``keep_files`` is false) so that :meth:`create` with the
+        same id starts it again over the same files. Idempotent."""
+
+    @abc.abstractmethod
     def destroy(self, handle: Handle) -> None:
         """Remove everything the sandbox holds on the node: processes, mounts, cgroups, state."""
 

@@ -267,6 +267,27 @@ class GVisorLauncher(Launcher):
                 if self._runtime_status(sandbox_id) in ("running", "paused", "created"):
                     _run(self._runsc("kill", "--all", sandbox_id, "KILL"), check=False)
 
+    def suspend(self, sandbox_id: str, keep_files: bool = True) -> None:
+        # What create() makes again from the spec goes (the runsc container, the mounts, the
+        # cgroup); the overlay's upper dir, which holds every file the sandbox wrote, stays.
+        with file_lock(self.sandboxes_dir / f".{sandbox_id}.lock"):
+            d = self._dir(sandbox_id)
+            if self._has_runtime_state(sandbox_id):
+                _run(self._runsc("kill", sandbox_id, "TERM"), check=False)  # the agent's clean exit
+                deadline = time.monotonic() + 2.0
+                while time.monotonic() < deadline and self._runtime_status(sandbox_id) == "running":
+                    time.sleep(0.05)
+                _run(self._runsc("delete", "--force", sandbox_id), check=False)
+            for mountpoint in (d / "rootfs", d / "run"):
+                _unmount(mountpoint)
+            for controller_dir in _cgroup_dirs(sandbox_id):
+                with contextlib.suppress(OSError):
+                    controller_dir.rmdir()
+            (d / "handle.json").unlink(missing_ok=True)
+            if not keep_files:
+                for sub in ("upper", "work"):
+                    shutil.rmtree(d / sub, ignore_errors=True)
+
     def destroy(self, handle: Handle) -> None:
         self.destroy_id(handle["id"])
 

@@ -12,7 +12,11 @@ from django.utils import timezone
 from ..errors import NoCapacity
 from ..models import Image, Node, Sandbox
 
-ACTIVE = [Sandbox.Status.PENDING, Sandbox.Status.STARTING, Sandbox.Status.RUNNING]
+# What holds CPU and memory on a node (a paused sandbox holds only its disk).
+ACTIVE = [
+    Sandbox.Status.PENDING, Sandbox.Status.STARTING, Sandbox.Status.RUNNING,
+    Sandbox.Status.PAUSING, Sandbox.Status.RESUMING,
+]  # fmt: skip
 
 
 def node_register(*, name: str, runtimes: list[str], cpu: float, memory_mb: int, version: str = "") -> Node:

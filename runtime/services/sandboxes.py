@@ -100,6 +100,7 @@ def sandbox_create(
     env: dict[str, str] | None = None,
     metadata: dict[str, Any] | None = None,
     volumes: list[volume_svc.VolumeMount] | None = None,
+    ephemeral: bool = False,
 ) -> Sandbox:
     """Write a pending sandbox on a node with room (the node of its volumes, if it attaches
     any) and enqueue its provisioning on that node."""
@@ -126,6 +127,7 @@ def sandbox_create(
             timeout_s=timeout_s,
             env=env,
             metadata=metadata or {},
+            ephemeral=ephemeral,
             expires_at=now + timedelta(seconds=timeout_s),
         )
         volume_svc.attach(sandbox=sandbox, resolved=mounts)
@@ -167,6 +169,11 @@ def sandbox_provision(*, sandbox_id: str) -> None:
     """Start the sandbox on this node; safe to run twice (only a pending row is claimed)."""
     if not transition(sandbox_id, to=S.STARTING, frm=[S.PENDING]):
         return
+    _boot(sandbox_id, S.STARTING)
+
+
+def _boot(sandbox_id: str, frm: str) -> None:
+    """Start (or start again, over its kept files) the sandbox whose row is ``frm``."""
     sandbox = Sandbox.objects.get(id=sandbox_id)
     try:
         info = image_store().get(sandbox.image_digest)
@@ -174,7 +181,7 @@ def sandbox_provision(*, sandbox_id: str) -> None:
         transition(
             sandbox_id,
             to=S.FAILED,
-            frm=[S.STARTING],
+            frm=[frm],
             reason=f"image {sandbox.image} ({sandbox.image_digest}) is not on node {local_node_name()}",
         )
         return
@@ -182,9 +189,7 @@ def sandbox_provision(*, sandbox_id: str) -> None:
     try:
         mounts = volume_svc.sandbox_mounts(sandbox)
     except VolumeError as exc:
-        transition(
-            sandbox_id, to=S.FAILED, frm=[S.STARTING], reason=f"its volumes could not be mounted: {exc}"
-        )
+        transition(sandbox_id, to=S.FAILED, frm=[frm], reason=f"its volumes could not be mounted: {exc}")
         return
     spec = SandboxSpec(
         mounts=mounts,
@@ -201,14 +206,72 @@ def sandbox_provision(*, sandbox_id: str) -> None:
         handle = launcher.create(spec)
     except LauncherError as exc:
         log.warning("sandbox %s failed to start: %s", sandbox_id, exc)
-        transition(sandbox_id, to=S.FAILED, frm=[S.STARTING], reason=str(exc))
+        transition(sandbox_id, to=S.FAILED, frm=[frm], reason=str(exc))
         return
-    started = transition(
-        sandbox_id, to=S.RUNNING, frm=[S.STARTING], fields={"handle": handle, "started_at": timezone.now()}
-    )
+    now = timezone.now()
+    fields: dict[str, Any] = {"handle": handle, "started_at": now}
+    if frm == S.RESUMING:  # a resumed sandbox gets its time afresh
+        fields["expires_at"] = now + timedelta(seconds=sandbox.timeout_s)
+    started = transition(sandbox_id, to=S.RUNNING, frm=[frm], fields=fields,
+                         reason="resumed" if frm == S.RESUMING else "")  # fmt: skip
     if not started:
         # Deleted while starting: the destroy task may already have run and found nothing.
         launcher.destroy(handle)
+
+
+# -- pause and resume -------------------------------------------------------------------------
+
+PAUSE_MODES = ("stop",)
+
+
+def sandbox_pause(*, sandbox: Sandbox, mode: str = "stop") -> Sandbox:
+    """Pause a running sandbox. ``stop``: its processes and terminals end and its CPU and memory
+    are freed; its files stay (on volumes, and outside them unless it is ephemeral)."""
+    if mode not in PAUSE_MODES:
+        raise InvalidValue(f"unknown pause mode {mode!r}; one of: {', '.join(PAUSE_MODES)}")
+    if sandbox.status != S.RUNNING:
+        raise Conflict(f"sandbox {sandbox.id} is {sandbox.status}; only a running sandbox can be paused",
+                       status=sandbox.status)  # fmt: skip
+    if not transition(sandbox.id, to=S.PAUSING, frm=[S.RUNNING], reason=f"pausing (mode {mode})"):
+        raise Conflict(f"sandbox {sandbox.id} changed meanwhile; try again")
+    assert sandbox.node is not None
+    transaction.on_commit(lambda: _enqueue("suspend", sandbox.id, sandbox.node.queue))
+    sandbox.status = S.PAUSING
+    return sandbox
+
+
+def sandbox_suspend(*, sandbox_id: str) -> None:
+    """The node side of :func:`sandbox_pause` (idempotent: only a pausing row is acted on)."""
+    sandbox = Sandbox.objects.filter(id=sandbox_id).first()
+    if sandbox is None or sandbox.status != S.PAUSING:
+        return
+    launcher_for(sandbox.runtime).suspend(sandbox_id, keep_files=not sandbox.ephemeral)
+    kept = "files on its volumes kept" if sandbox.ephemeral else "its files kept"
+    transition(sandbox_id, to=S.PAUSED, frm=[S.PAUSING], fields={"handle": {}, "stopped_at": timezone.now()},
+               reason=f"paused: processes ended, {kept}")  # fmt: skip
+
+
+def sandbox_resume(*, sandbox: Sandbox) -> Sandbox:
+    """Start a paused sandbox again on its node, over the files it had."""
+    if sandbox.status != S.PAUSED:
+        raise Conflict(f"sandbox {sandbox.id} is {sandbox.status}; only a paused sandbox can be resumed",
+                       status=sandbox.status)  # fmt: skip
+    image_row = image_resolve(sandbox.image)
+    with transaction.atomic():
+        # Its files are on its node: it needs room there again (a paused sandbox held none).
+        node = node_pick(runtime=sandbox.runtime, cpu=sandbox.cpu, memory_mb=sandbox.memory_mb,
+                         image=image_row, node_id=sandbox.node_id)  # fmt: skip
+        if not transition(sandbox.id, to=S.RESUMING, frm=[S.PAUSED], reason="resuming"):
+            raise Conflict(f"sandbox {sandbox.id} changed meanwhile; try again")
+        transaction.on_commit(lambda: _enqueue("resume", sandbox.id, node.queue))
+    sandbox.status = S.RESUMING
+    return sandbox
+
+
+def sandbox_restart(*, sandbox_id: str) -> None:
+    """The node side of :func:`sandbox_resume`."""
+    if Sandbox.objects.filter(id=sandbox_id, status=S.RESUMING).exists():
+        _boot(sandbox_id, S.RESUMING)
 
 
 def sandbox_destroy(*, sandbox_id: str) -> None:
@@ -225,7 +288,7 @@ def sandbox_destroy(*, sandbox_id: str) -> None:
 def sandbox_fail(*, sandbox_id: str, reason: str) -> bool:
     """Record that the sandbox died (out of memory, lost by its node…) with the reason."""
     return transition(
-        sandbox_id, to=S.FAILED, frm=[S.PENDING, S.STARTING, S.RUNNING], reason=reason,
+        sandbox_id, to=S.FAILED, frm=[S.PENDING, S.STARTING, S.RUNNING, S.PAUSING, S.RESUMING], reason=reason,
         fields={"stopped_at": timezone.now()},
     )  # fmt: skip
 
@@ -238,8 +301,9 @@ def sandbox_delete(*, sandbox: Sandbox, reason: str = "deleted") -> None:
     if sandbox.status == S.DELETED:
         return
     moved = transition(
-        sandbox.id, to=S.STOPPING, frm=[S.PENDING, S.STARTING, S.RUNNING, S.STOPPED, S.FAILED], reason=reason
-    )
+        sandbox.id, to=S.STOPPING, reason=reason,
+        frm=[S.PENDING, S.STARTING, S.RUNNING, S.STOPPED, S.FAILED, S.PAUSING, S.PAUSED, S.RESUMING],
+    )  # fmt: skip
     if not moved:
         sandbox.refresh_from_db()
         if sandbox.status != S.STOPPING:
@@ -259,7 +323,7 @@ def sandbox_stop(*, sandbox: Sandbox, reason: str = "stopped") -> None:
     if sandbox.status == S.DELETED:
         raise Conflict(f"sandbox {sandbox.id} is deleted", status=sandbox.status)
     moved = transition(
-        sandbox.id, to=S.STOPPING, frm=[S.PENDING, S.STARTING, S.RUNNING, S.FAILED], reason=reason
+        sandbox.id, to=S.STOPPING, frm=[S.PENDING, S.STARTING, S.RUNNING, S.FAILED, S.PAUSED], reason=reason
     )
     if not moved:
         return

@@ -1,0 +1,84 @@
+"""Pause and resume (mode stop) against real runsc: processes end, files stay, any number of
+times; a paused sandbox holds no CPU or memory and can still be deleted."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from runtime.models import Sandbox
+from runtime.services.nodes import nodes_with_usage
+from tests.api.test_sandboxes_api import create
+from tests.support import requires_runsc, wait_until
+
+pytestmark = [requires_runsc]
+
+
+def run(api, sandbox_id: str, cmd: str) -> dict:
+    r = api.post(f"/sandboxes/{sandbox_id}/exec", json={"cmd": cmd})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+@pytest.fixture
+def volume(api):
+    r = api.post("/volumes", json={"name": "keep", "size_mb": 32})
+    assert r.status_code == 201, r.text
+    return r.json()
+
+
+def test_five_pause_resume_cycles_keep_files_and_end_processes(api, volume):
+    sb = create(api, cpu=1, memory_mb=256, volumes=[{"volume": "keep", "mount_path": "/keep"}])
+    sid = sb["id"]
+    for cycle in range(1, 6):
+        # Each cycle adds a file in the root filesystem and one on the volume, and starts a process.
+        out = run(api, sid, f"echo root-{cycle} >> /root/log && echo vol-{cycle} >> /keep/log && sync")
+        assert out["exit_code"] == 0, out
+        proc = api.post(f"/sandboxes/{sid}/exec", json={"cmd": "sleep 600", "background": True}).json()
+
+        r = api.post(f"/sandboxes/{sid}/pause", json={})
+        assert r.status_code == 200, r.text
+        assert r.json()["status"] == "paused", r.json()
+        # Paused: no processes, no room taken on the node, no exec.
+        r = api.post(f"/sandboxes/{sid}/exec", json={"cmd": "true"})
+        assert r.status_code == 409 and "paused" in r.json()["detail"]
+        url = f"/sandboxes/{sid}/processes/{proc['id']}"
+        wait_until(lambda u=url: api.get(u).json()["status"] != "running", 30, what="the process to end")
+        node = next(n for n in nodes_with_usage() if n.name == "test-node")
+        assert not node.cpu_used and not node.memory_used
+        assert api.post(f"/sandboxes/{sid}/pause", json={}).status_code == 409  # already paused
+
+        r = api.post(f"/sandboxes/{sid}/resume", json={})
+        assert r.status_code == 200 and r.json()["status"] == "running", r.text
+        lines = run(api, sid, "cat /root/log; cat /keep/log")["stdout"].split()
+        assert lines == [f"root-{i}" for i in range(1, cycle + 1)] + [f"vol-{i}" for i in range(1, cycle + 1)]
+        assert "sleep 600" not in run(api, sid, "ps -o args")["stdout"]  # processes did not survive
+    assert api.post(f"/sandboxes/{sid}/resume", json={}).status_code == 409  # running already
+    kinds = [e["message"] for e in api.get(f"/sandboxes/{sid}/events").json()]
+    assert sum("paused: processes ended" in k for k in kinds) == 5
+
+
+def test_an_ephemeral_sandbox_keeps_only_its_volumes(api, volume):
+    sb = create(api, ephemeral=True, volumes=[{"volume": "keep", "mount_path": "/keep"}])
+    assert sb["ephemeral"] is True
+    run(api, sb["id"], "echo gone > /root/f; echo kept > /keep/f; sync")
+    assert api.post(f"/sandboxes/{sb['id']}/pause", json={}).json()["status"] == "paused"
+    assert api.post(f"/sandboxes/{sb['id']}/resume", json={}).json()["status"] == "running"
+    assert run(api, sb["id"], "cat /root/f 2>&1; cat /keep/f")["stdout"].splitlines() == [
+        "cat: can't open '/root/f': No such file or directory",
+        "kept",
+    ]
+
+
+def test_a_paused_sandbox_can_be_deleted_and_leaves_nothing(api):
+    from runtime.node import launcher_for
+
+    sb = create(api)
+    assert api.post(f"/sandboxes/{sb['id']}/pause", json={"mode": "stop"}).json()["status"] == "paused"
+    assert api.post(f"/sandboxes/{sb['id']}/pause", json={"mode": "hibernate"}).status_code == 422
+    assert api.delete(f"/sandboxes/{sb['id']}").status_code == 204
+    wait_until(lambda: api.get(f"/sandboxes/{sb['id']}").json()["status"] == "deleted", 30, what="delete")
+    assert sb["id"] not in launcher_for("gvisor").list()
+    assert not os.path.exists(launcher_for("gvisor").sandboxes_dir / sb["id"])
+    assert Sandbox.objects.get(id=sb["id"]).status == "deleted"
