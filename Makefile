@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PORT ?= 8000
 
-.PHONY: up install system-deps test-deps venv test lint bench-tti bench-dashboard services
+.PHONY: up install system-deps test-deps venv test lint bench-tti bench-dashboard bench-pause services
 
 up: install
 	$(VENV)/bin/hangar image build busybox
@@ -41,3 +41,6 @@ bench-tti: install
 
 bench-dashboard: install
 	$(PY) bench/dashboard.py
+
+bench-pause: install
+	$(PY) bench/pause.py
