@@ -161,8 +161,8 @@ class TerminalConsumer(_Base):
             if not await self._refuse_viewer():
                 await self._input(str(msg.get("data", "")).encode())
         elif kind == "ping":
+            # A ping only keeps the connection open: it is not activity (see the idle rules).
             await self.send_json({"type": "pong"})
-            await self._send(streams.TOUCH)  # a viewer is still there: activity for the TTL
         else:
             await self.send_json({"type": "error", "message": f"unknown message type {kind!r}"})
 

@@ -14,6 +14,14 @@ class SandboxCreateForm(forms.Form):
         label="Memory (MB)", initial=512, widget=forms.NumberInput(attrs={"step": "64"})
     )
     timeout_s = forms.IntegerField(label="TTL (seconds)", initial=3600)
+    on_expire = forms.ChoiceField(
+        label="When the TTL runs out", initial="destroy", required=False,
+        choices=[("destroy", "delete it"), ("pause", "pause it (files kept)")],
+    )  # fmt: skip
+    idle_timeout_s = forms.IntegerField(
+        label="Pause when idle for (s)", required=False, min_value=10,
+        widget=forms.NumberInput(attrs={"placeholder": "never", "min": "10"}),
+    )  # fmt: skip
     env = forms.CharField(
         required=False,
         widget=forms.Textarea(
@@ -26,6 +34,8 @@ class SandboxCreateForm(forms.Form):
         ("cpu", "cpu"),
         ("memory_mb", "memory_mb"),
         ("timeout_s", "timeout_s"),
+        ("idle_timeout_s", "idle_timeout_s"),
+        ("on_expire", "on_expire"),
         ("env", "env"),
         ("unknown image", "image"),
         ("image", "image"),

@@ -243,6 +243,7 @@ def sandboxes(request: HttpRequest) -> HttpResponse:
                 sandbox = svc.sandbox_create(
                     team=tc.team, user=request.user, image=data["image"], runtime=data["runtime"],
                     cpu=data["cpu"], memory_mb=data["memory_mb"], timeout_s=data["timeout_s"], env=data["env"],
+                    on_expire=data.get("on_expire") or "destroy", idle_timeout_s=data.get("idle_timeout_s"),
                 )  # fmt: skip
             except ServiceError as exc:
                 form.add_service_error(exc.message)

@@ -15,10 +15,11 @@ PTY, and the command blocks in write(). Reading resumes below ``LOW``. A viewer 
 acknowledging for ``STALE_S`` stops counting, so one frozen tab cannot stall the others.
 Input (keystrokes, Ctrl-C) travels separately and is never held back.
 
-Activity. Input, resizes, acknowledgements, attaches and viewers' pings (``proc.touch``) mark
-a process active; every ``HANGAR_ACTIVITY_REPORT_S`` the bridge pushes out the expiry of the
-sandboxes with a process active in the last ``2 ×`` that (:func:`sandboxes_touch`), so an open
-terminal keeps its sandbox from expiring under an engineer's hands.
+Activity. Input, resizes, acknowledgements (output being read) and attaches mark a process
+active (a viewer's ping does not: it only keeps a connection open). Every
+``HANGAR_ACTIVITY_REPORT_S`` the bridge reports the sandboxes with a process active in the last
+``2 ×`` that (:func:`sandboxes_touch`): they are not idle, and their expiry is pushed out so a
+terminal in use does not expire under an engineer's hands.
 
 What does not survive: the bridge's connections are the processes' lifelines (the agent kills
 a command whose connection closes), so restarting the bridge ends the live processes of its

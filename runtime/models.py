@@ -205,6 +205,9 @@ class Sandbox(models.Model):
     updated_at = models.DateTimeField(auto_now=True)
     # An ephemeral sandbox keeps nothing outside its volumes when paused.
     ephemeral = models.BooleanField(default=False)
+    on_expire = models.CharField(max_length=16, default="destroy")  # pause | destroy
+    idle_timeout_s = models.IntegerField(null=True, blank=True)  # idle that long: paused
+    last_activity_at = models.DateTimeField(null=True, blank=True)
 
     class Meta:
         ordering = ["-created_at"]

@@ -21,9 +21,9 @@ from dataclasses import dataclass
 from typing import Any
 
 # Message types (the bridge's channel receives the first group, followers the second).
-START, ATTACH, DETACH, ACK, INPUT, EOF, RESIZE, SIGNAL, KILL, TOUCH = (
+START, ATTACH, DETACH, ACK, INPUT, EOF, RESIZE, SIGNAL, KILL = (
     "proc.start", "proc.attach", "proc.detach", "proc.ack", "proc.input", "proc.eof",
-    "proc.resize", "proc.signal", "proc.kill", "proc.touch",
+    "proc.resize", "proc.signal", "proc.kill",
 )  # fmt: skip
 STARTED, FAILED, OUTPUT, SYNCED, EXIT, UNKNOWN = (
     "proc.started", "proc.failed", "proc.output", "proc.synced", "proc.exit", "proc.unknown",

@@ -310,11 +310,14 @@ def test_create_redirects_to_the_sandbox_page_which_shows_it_starting(client, an
     node = node_register(name="node-a", runtimes=["gvisor"], cpu=4, memory_mb=8192)
     Image.objects.create(name="busybox", digest="sha256:" + "a" * 64).nodes.add(node)
     r = client.post("/sandboxes/", {"image": "busybox", "runtime": "gvisor", "cpu": "0.5", "memory_mb": "256",
-                                    "timeout_s": "900", "env": "A=1\nB=two=2\n"})  # fmt: skip
+                                    "timeout_s": "900", "env": "A=1\nB=two=2\n", "on_expire": "pause",
+                                    "idle_timeout_s": "600"})  # fmt: skip
     sandbox = Sandbox.objects.get(team=alpha)
     assert r.status_code == 302 and r["Location"] == f"/sandboxes/{sandbox.id}/"
     assert sandbox.env == {"A": "1", "B": "two=2"} and sandbox.memory_mb == 256 and sandbox.cpu == 0.5
+    assert sandbox.on_expire == "pause" and sandbox.idle_timeout_s == 600
     page = client.get(r["Location"]).content.decode()
+    assert "paused after 600 s" in page and "then paused" in page
     assert "Scheduled on node" in page and 'id="sb-progress"' in page and "spinner" in page
     assert f'ws-connect="/ws/ui/sandboxes/{sandbox.id}?after=' in page
 

@@ -44,6 +44,10 @@ class SandboxIn(Schema):
     metadata: dict[str, Any] = {}
     volumes: list[VolumeMountIn] = Field([], max_length=16)
     ephemeral: bool = Field(False, description="keep nothing outside volumes when paused")
+    on_expire: Literal["pause", "destroy"] = Field(
+        "destroy", description="what happens when timeout_s runs out"
+    )
+    idle_timeout_s: int | None = Field(None, description="pause it after this long without activity")
     wait: bool = True
 
 
@@ -65,6 +69,9 @@ class SandboxOut(Schema):
     metadata: dict[str, Any]
     volumes: list[VolumeMountOut]
     ephemeral: bool
+    on_expire: str
+    idle_timeout_s: int | None
+    last_activity_at: datetime | None
 
     @staticmethod
     def resolve_node(obj: Sandbox) -> str | None:
@@ -163,7 +170,7 @@ async def create_sandbox(request: HttpRequest, payload: SandboxIn):
             runtime=payload.runtime, cpu=payload.cpu, memory_mb=payload.memory_mb,
             timeout_s=payload.timeout_s, env=payload.env, metadata=payload.metadata,
             volumes=[volume_svc.VolumeMount(v.volume, v.mount_path, v.read_only) for v in payload.volumes],
-            ephemeral=payload.ephemeral,
+            ephemeral=payload.ephemeral, on_expire=payload.on_expire, idle_timeout_s=payload.idle_timeout_s,
         )  # fmt: skip
         if payload.wait:
             sandbox = svc.sandbox_wait(sandbox=sandbox, timeout=settings.HANGAR_CREATE_WAIT_S)

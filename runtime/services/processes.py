@@ -24,7 +24,7 @@ from .. import streams
 from ..aio import blocking
 from ..errors import Conflict, InvalidValue, NodeUnavailable, NotFound
 from ..models import Exec, Sandbox, Team, Terminal
-from .sandboxes import _require_running, _runtime_failure, exec_validate
+from .sandboxes import _require_running, _runtime_failure, exec_validate, sandbox_mark_active
 
 START_TIMEOUT_S = 15.0
 # A follower that hears nothing for this long checks the row (did the bridge go away?).
@@ -147,6 +147,7 @@ async def process_start(
     _check_size(rows, cols)
 
     def create() -> Exec:
+        sandbox_mark_active(sandbox.id)
         return Exec.objects.create(
             sandbox=sandbox, kind=kind, status=Exec.Status.RUNNING, argv=argv, cwd=cwd or "",
             timeout_s=timeout_s, started_at=timezone.now(),
@@ -194,6 +195,7 @@ async def terminal_open(
     env = {"TERM": "xterm-256color", "COLORTERM": "truecolor", **env}
 
     def create() -> Terminal:
+        sandbox_mark_active(sandbox.id)
         n = name or f"terminal {sandbox.terminals.count() + 1}"
         return Terminal.objects.create(
             sandbox=sandbox, name=n, argv=argv, cwd=cwd or "", rows=rows, cols=cols,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import contextlib
 import logging
 import posixpath
 from collections.abc import Iterable, Iterator
@@ -13,7 +14,7 @@ from typing import Any
 from django.conf import settings
 from django.contrib.auth.models import AbstractBaseUser
 from django.db import transaction
-from django.db.models import QuerySet
+from django.db.models import Q, QuerySet
 from django.utils import timezone
 
 from .. import notify
@@ -101,12 +102,20 @@ def sandbox_create(
     metadata: dict[str, Any] | None = None,
     volumes: list[volume_svc.VolumeMount] | None = None,
     ephemeral: bool = False,
+    on_expire: str = "destroy",
+    idle_timeout_s: int | None = None,
 ) -> Sandbox:
     """Write a pending sandbox on a node with room (the node of its volumes, if it attaches
     any) and enqueue its provisioning on that node."""
     env = env or {}
     _validate_limits(cpu=cpu, memory_mb=memory_mb, timeout_s=timeout_s)
     _validate_env(env)
+    if on_expire not in (ON_EXPIRE_PAUSE, ON_EXPIRE_DESTROY):
+        raise InvalidValue(f"on_expire must be pause or destroy, got {on_expire!r}")
+    if idle_timeout_s is not None and not 10 <= idle_timeout_s <= settings.HANGAR_SANDBOX_MAX_TIMEOUT_S:
+        raise InvalidValue(
+            f"idle_timeout_s must be between 10 and {settings.HANGAR_SANDBOX_MAX_TIMEOUT_S}, got {idle_timeout_s}"
+        )
     image_row = image_resolve(image)
     mounts = volume_svc.resolve_mounts(team=team, mounts=volumes or [])
     now = timezone.now()
@@ -128,6 +137,8 @@ def sandbox_create(
             env=env,
             metadata=metadata or {},
             ephemeral=ephemeral,
+            on_expire=on_expire,
+            idle_timeout_s=idle_timeout_s,
             expires_at=now + timedelta(seconds=timeout_s),
         )
         volume_svc.attach(sandbox=sandbox, resolved=mounts)
@@ -224,7 +235,19 @@ def _boot(sandbox_id: str, frm: str) -> None:
 PAUSE_MODES = ("stop",)
 
 
-def sandbox_pause(*, sandbox: Sandbox, mode: str = "stop") -> Sandbox:
+ON_EXPIRE_PAUSE, ON_EXPIRE_DESTROY = "pause", "destroy"
+ACTIVITY_EVERY_S = 5  # last_activity_at is written at most this often per sandbox
+
+
+def sandbox_mark_active(sandbox_id: str) -> None:
+    """Someone used the sandbox (an API call on it, an exec, terminal traffic): it is not idle."""
+    now = timezone.now()
+    Sandbox.objects.filter(id=sandbox_id).filter(
+        Q(last_activity_at__isnull=True) | Q(last_activity_at__lt=now - timedelta(seconds=ACTIVITY_EVERY_S))
+    ).update(last_activity_at=now)
+
+
+def sandbox_pause(*, sandbox: Sandbox, mode: str = "stop", reason: str = "") -> Sandbox:
     """Pause a running sandbox. ``stop``: its processes and terminals end and its CPU and memory
     are freed; its files stay (on volumes, and outside them unless it is ephemeral)."""
     if mode not in PAUSE_MODES:
@@ -232,7 +255,7 @@ def sandbox_pause(*, sandbox: Sandbox, mode: str = "stop") -> Sandbox:
     if sandbox.status != S.RUNNING:
         raise Conflict(f"sandbox {sandbox.id} is {sandbox.status}; only a running sandbox can be paused",
                        status=sandbox.status)  # fmt: skip
-    if not transition(sandbox.id, to=S.PAUSING, frm=[S.RUNNING], reason=f"pausing (mode {mode})"):
+    if not transition(sandbox.id, to=S.PAUSING, frm=[S.RUNNING], reason=reason or f"pausing (mode {mode})"):
         raise Conflict(f"sandbox {sandbox.id} changed meanwhile; try again")
     assert sandbox.node is not None
     transaction.on_commit(lambda: _enqueue("suspend", sandbox.id, sandbox.node.queue))
@@ -370,6 +393,7 @@ def sandboxes_touch(*, sandbox_ids: Iterable[str]) -> list[str]:
         "id", "team_id", "status", "timeout_s", "expires_at"
     ):
         until = now + timedelta(seconds=sb.timeout_s)
+        Sandbox.objects.filter(id=sb.id).update(last_activity_at=now)  # not idle, either
         if Sandbox.objects.filter(id=sb.id, status=S.RUNNING, expires_at__lt=until).update(
             expires_at=until, updated_at=now
         ):
@@ -379,14 +403,38 @@ def sandboxes_touch(*, sandbox_ids: Iterable[str]) -> list[str]:
 
 
 def sandboxes_reap_expired() -> int:
-    """Delete every sandbox past its ``expires_at``."""
+    """Act on every sandbox past its ``expires_at`` (pause it or delete it, per its
+    ``on_expire``) or idle past its ``idle_timeout_s`` (pause it: nothing is lost). Every
+    automatic action is an event that says why."""
     count = 0
+    now = timezone.now()
     expired = Sandbox.objects.filter(
-        status__in=[S.PENDING, S.STARTING, S.RUNNING, S.FAILED], expires_at__lte=timezone.now()
+        status__in=[S.PENDING, S.STARTING, S.RUNNING, S.FAILED], expires_at__lte=now
     ).select_related("node")
     for sandbox in expired[:500]:
-        sandbox_delete(sandbox=sandbox, reason=f"expired: its timeout of {sandbox.timeout_s} s was reached")
+        why = f"its timeout of {sandbox.timeout_s} s was reached"
+        if sandbox.on_expire == ON_EXPIRE_PAUSE and sandbox.status == S.RUNNING:
+            with contextlib.suppress(Conflict):
+                sandbox_pause(sandbox=sandbox, reason=f"pausing: {why}")
+        else:
+            sandbox_delete(sandbox=sandbox, reason=f"expired: {why}")
         count += 1
+    idle = Sandbox.objects.filter(status=S.RUNNING, idle_timeout_s__isnull=False).select_related("node")
+    for sandbox in idle[:2000]:
+        since = sandbox.last_activity_at or sandbox.started_at or sandbox.created_at
+        idle_s = (now - since).total_seconds()
+        if idle_s >= sandbox.idle_timeout_s:  # type: ignore[operator]
+            with contextlib.suppress(Conflict):
+                sandbox_pause(sandbox=sandbox, reason=f"pausing: idle for {idle_s:.0f} s "
+                              f"(idle_timeout_s {sandbox.idle_timeout_s})")  # fmt: skip
+                count += 1
+    # Pause and resume tasks lost with a dead worker: send them again (both are idempotent).
+    for status, task in ((S.PAUSING, "suspend"), (S.RESUMING, "resume")):
+        for sandbox in Sandbox.objects.filter(
+            status=status, updated_at__lte=now - timedelta(minutes=2)
+        ).select_related("node")[:100]:
+            if sandbox.node is not None:
+                _enqueue(task, sandbox.id, sandbox.node.queue)
     # Destroy tasks lost with a dead worker: re-send for rows stuck in stopping.
     stuck = Sandbox.objects.filter(status=S.STOPPING, updated_at__lte=timezone.now() - timedelta(minutes=2))
     for sandbox in stuck.select_related("node")[:100]:
@@ -578,6 +626,7 @@ def sandbox_exec(
 ) -> ExecOutcome:
     """Run a command to completion in a running sandbox; a string runs under ``/bin/sh -c``."""
     _require_running(sandbox)
+    sandbox_mark_active(sandbox.id)
     argv, env, cwd = exec_validate(cmd=cmd, env=env, cwd=cwd, timeout_s=timeout_s)
     # One row per exec, written once it has ended (one write on the hot path, not two).
     row = Exec(
@@ -622,6 +671,7 @@ def sandbox_exec(
 
 def _sandbox_call(sandbox: Sandbox, fn):
     _require_running(sandbox)
+    sandbox_mark_active(sandbox.id)
     try:
         return fn()
     except FileOpError as exc:

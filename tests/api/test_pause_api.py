@@ -82,3 +82,36 @@ def test_a_paused_sandbox_can_be_deleted_and_leaves_nothing(api):
     assert sb["id"] not in launcher_for("gvisor").list()
     assert not os.path.exists(launcher_for("gvisor").sandboxes_dir / sb["id"])
     assert Sandbox.objects.get(id=sb["id"]).status == "deleted"
+
+
+def test_an_idle_sandbox_is_paused_with_the_reason_and_activity_keeps_one_awake(api):
+    from datetime import timedelta
+
+    from django.utils import timezone
+
+    from runtime.services import sandboxes as svc
+
+    idle = create(api, idle_timeout_s=60)
+    busy = create(api, idle_timeout_s=60)
+    assert idle["idle_timeout_s"] == 60 and idle["on_expire"] == "destroy"
+    long_ago = timezone.now() - timedelta(seconds=120)
+    Sandbox.objects.filter(id__in=[idle["id"], busy["id"]]).update(
+        last_activity_at=long_ago, started_at=long_ago
+    )
+    run(api, busy["id"], "true")  # an exec is activity
+    svc.sandboxes_reap_expired()  # what beat runs every few seconds
+    wait_until(
+        lambda: api.get(f"/sandboxes/{idle['id']}").json()["status"] == "paused", 30, what="the idle pause"
+    )
+    assert api.get(f"/sandboxes/{busy['id']}").json()["status"] == "running"
+    messages = [e["message"] for e in api.get(f"/sandboxes/{idle['id']}/events").json()]
+    assert any("idle for" in m and "idle_timeout_s 60" in m for m in messages), messages
+    # Nothing was lost: it resumes.
+    assert api.post(f"/sandboxes/{idle['id']}/resume", json={}).json()["status"] == "running"
+
+
+def test_expiry_and_idle_settings_are_validated(api):
+    r = api.post("/sandboxes", json={"image": "busybox", "on_expire": "explode"})
+    assert r.status_code == 422 and "on_expire" in r.json()["detail"]
+    r = api.post("/sandboxes", json={"image": "busybox", "idle_timeout_s": 5})
+    assert r.status_code == 422 and "idle_timeout_s must be between 10" in r.json()["detail"]

@@ -219,3 +219,52 @@ def test_reconcile_does_not_fail_a_sandbox_that_started_during_its_snapshot(
     assert sb.id not in report["failed"]
     sb.refresh_from_db()
     assert sb.status == S.RUNNING
+
+
+def test_expiry_and_idle_rules_pause_or_delete_and_say_why(transactional_db, team):
+    from runtime.models import SandboxEvent
+
+    node = node_register(name="n1", runtimes=["gvisor"], cpu=4, memory_mb=8192)
+    now = timezone.now()
+
+    def sandbox(**fields) -> Sandbox:
+        fields.setdefault("expires_at", now + timedelta(hours=1))
+        return Sandbox.objects.create(team=team, image="busybox", image_digest="sha256:x", node=node,
+                                      status="running", started_at=now - timedelta(hours=1), **fields)  # fmt: skip
+
+    expired_pause = sandbox(on_expire="pause", expires_at=now - timedelta(seconds=1))
+    expired_destroy = sandbox(expires_at=now - timedelta(seconds=1))
+    idle = sandbox(idle_timeout_s=600, last_activity_at=now - timedelta(seconds=900))
+    busy = sandbox(idle_timeout_s=600, last_activity_at=now - timedelta(seconds=30))
+    never_active = sandbox(idle_timeout_s=600)  # idle since it started, an hour ago
+    paused = sandbox(on_expire="pause", expires_at=now - timedelta(seconds=1))
+    Sandbox.objects.filter(id=paused.id).update(status="paused")
+
+    svc.sandboxes_reap_expired()
+
+    def status(sb: Sandbox) -> str:
+        return Sandbox.objects.get(id=sb.id).status
+
+    def last_event(sb: Sandbox) -> str:
+        return SandboxEvent.objects.filter(sandbox_id=sb.id).order_by("-id").first().message
+
+    assert status(expired_pause) == "pausing" and "its timeout of 300 s was reached" in last_event(
+        expired_pause
+    )
+    assert status(expired_destroy) == "stopping" and "expired" in last_event(expired_destroy)
+    assert status(idle) == "pausing" and "idle for 900 s (idle_timeout_s 600)" in last_event(idle)
+    assert status(never_active) == "pausing"
+    assert status(busy) == "running"
+    assert status(paused) == "paused"  # a paused sandbox does not expire
+
+
+def test_activity_is_recorded_at_most_every_few_seconds(transactional_db, team):
+    sb = Sandbox.objects.create(team=team, image="busybox", image_digest="sha256:x", status="running")
+    svc.sandbox_mark_active(sb.id)
+    first = Sandbox.objects.get(id=sb.id).last_activity_at
+    assert first is not None
+    svc.sandbox_mark_active(sb.id)
+    assert Sandbox.objects.get(id=sb.id).last_activity_at == first  # throttled
+    Sandbox.objects.filter(id=sb.id).update(last_activity_at=first - timedelta(seconds=10))
+    svc.sandbox_mark_active(sb.id)
+    assert Sandbox.objects.get(id=sb.id).last_activity_at > first - timedelta(seconds=10)
