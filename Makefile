@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PORT ?= 8000
 
-.PHONY: up install system-deps test-deps venv test lint bench-tti bench-dashboard bench-pause services
+.PHONY: up install system-deps test-deps venv test lint bench-tti bench-dashboard bench-pause bench-pools services
 
 up: install
 	$(VENV)/bin/hangar image build busybox
@@ -44,3 +44,6 @@ bench-dashboard: install
 
 bench-pause: install
 	$(PY) bench/pause.py
+
+bench-pools: install
+	$(PY) bench/pools.py

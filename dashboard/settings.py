@@ -217,6 +217,7 @@ HANGAR_RUNSC_PLATFORM = env_str("HANGAR_RUNSC_PLATFORM", "")
 HANGAR_IMAGES_DIR = Path(env_str("HANGAR_IMAGES_DIR", str(DATA_DIR / "images")))
 HANGAR_RUNTIME_DIR = Path(env_str("HANGAR_RUNTIME_DIR", str(DATA_DIR / "runtime")))
 HANGAR_VOLUMES_DIR = Path(env_str("HANGAR_VOLUMES_DIR", str(DATA_DIR / "volumes")))
+HANGAR_POOL_MAX_SIZE = env_int("HANGAR_POOL_MAX_SIZE", 20, minimum=1)
 HANGAR_VOLUME_MAX_MB = env_int("HANGAR_VOLUME_MAX_MB", 100 * 1024, minimum=16)
 HANGAR_NODE_CPU = env_float("HANGAR_NODE_CPU", float(os.cpu_count() or 1))
 HANGAR_NODE_MEMORY_MB = env_int("HANGAR_NODE_MEMORY_MB", 0, minimum=0)  # 0: read from /proc/meminfo

@@ -159,7 +159,11 @@ def overview(request: HttpRequest) -> HttpResponse:
         return _render(request, "hangar/partials/nodes.html", {"nodes": list(nodes_with_usage())}, tc)
     counts = dict.fromkeys((S.RUNNING, S.PENDING, S.STARTING, S.FAILED), 0)
     if tc.team is not None:
-        grouped = Sandbox.objects.filter(team=tc.team, status__in=list(counts)).values("status")
+        grouped = (
+            Sandbox.objects.filter(team=tc.team, status__in=list(counts))
+            .exclude(pool__isnull=False, claimed_at__isnull=True)
+            .values("status")
+        )
         counts.update({row["status"]: row["n"] for row in grouped.annotate(n=Count("id"))})
     context = {
         "section": "overview",
@@ -258,13 +262,21 @@ def sandboxes(request: HttpRequest) -> HttpResponse:
     context: dict[str, Any] = {"section": "sandboxes", "filter": current, "form": form or _create_form(),
                                "rendered_at": f"{time.time():.3f}"}  # fmt: skip
     if tc.team is not None:
-        grouped = Sandbox.objects.filter(team=tc.team).values("status").annotate(n=Count("id"))
+        grouped = (
+            Sandbox.objects.filter(team=tc.team)
+            .exclude(pool__isnull=False, claimed_at__isnull=True)  # warm pool members: nobody's yet
+            .values("status")
+            .annotate(n=Count("id"))
+        )
         by_status = {row["status"]: row["n"] for row in grouped}
         counts = {key: by_status.get(key, 0) for key, _ in FILTERS}
         counts["active"] = sum(n for s, n in by_status.items() if s != S.DELETED)
         qs = svc.sandboxes_for_team(team=tc.team, status=None if current == "active" else current)
         page = Paginator(qs.order_by("-created_at"), PAGE_SIZE).get_page(request.GET.get("page"))
+        from runtime.services.pools import pool_fill, pools_for_team
+
         context.update(
+            pools=[{"pool": p, **pool_fill(p)} for p in pools_for_team(team=tc.team)],
             page=page,
             rows=_rows(list(page.object_list)),
             filters=[(key, label, counts[key]) for key, label in FILTERS],

@@ -30,6 +30,10 @@ def new_volume_id() -> str:
     return new_id("vol", 12)
 
 
+def new_pool_id() -> str:
+    return new_id("pool", 10)
+
+
 class Team(models.Model):
     name = models.CharField(max_length=100, unique=True)
     created_at = models.DateTimeField(auto_now_add=True)
@@ -168,6 +172,24 @@ class Volume(models.Model):
         return self.name
 
 
+class Pool(models.Model):
+    """A warm pool: ``size`` sandboxes of one spec kept started and unclaimed for the team."""
+
+    id = models.CharField(primary_key=True, max_length=32, default=new_pool_id, editable=False)
+    team = models.ForeignKey(Team, on_delete=models.CASCADE, related_name="pools")
+    image = models.CharField(max_length=128)
+    runtime = models.CharField(max_length=32, default="gvisor")
+    cpu = models.FloatField(default=1.0)
+    memory_mb = models.IntegerField(default=512)
+    size = models.IntegerField(default=1)
+    last_error = models.TextField(blank=True)
+    created_by = models.ForeignKey(settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL)
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    def __str__(self) -> str:
+        return self.id
+
+
 class Sandbox(models.Model):
     class Status(models.TextChoices):
         PENDING = "pending"
@@ -208,6 +230,9 @@ class Sandbox(models.Model):
     on_expire = models.CharField(max_length=16, default="destroy")  # pause | destroy
     idle_timeout_s = models.IntegerField(null=True, blank=True)  # idle that long: paused
     last_activity_at = models.DateTimeField(null=True, blank=True)
+    # A warm pool's member: nobody's until claimed (then it is the claimer's like any other).
+    pool = models.ForeignKey(Pool, null=True, blank=True, on_delete=models.SET_NULL, related_name="members")
+    claimed_at = models.DateTimeField(null=True, blank=True)
 
     class Meta:
         ordering = ["-created_at"]

@@ -79,6 +79,13 @@ def volume_op(op: str, volume_id: str, payload: dict[str, Any]) -> dict[str, Any
 
 
 @shared_task(acks_late=False)
+def pool_refill(pool_id: str) -> int:
+    from .services import pools as pool_services
+
+    return pool_services.pool_refill(pool_id=pool_id)
+
+
+@shared_task(acks_late=False)
 def image_job(job_id: int) -> None:
     image_services.image_job_run(job_id=job_id)
 
@@ -111,4 +118,8 @@ def nodes_tick() -> None:
 
 @shared_task
 def sandboxes_reap() -> int:
-    return sandbox_services.sandboxes_reap_expired()
+    from .services import pools as pool_services
+
+    reaped = sandbox_services.sandboxes_reap_expired()
+    pool_services.pools_refill_all()  # heals pools whose refill was lost or stopped short
+    return reaped

@@ -711,3 +711,16 @@ def test_pause_and_resume_from_the_sandbox_page(client, ann, alpha):
     # Pausing what is not running is refused with the reason, not an error page.
     r = client.post(f"/sandboxes/{sb.id}/pause/", follow=True)
     assert "only a running sandbox can be paused" in r.content.decode()
+
+
+@pytest.mark.django_db
+def test_sandboxes_page_shows_warm_pools_and_hides_their_unclaimed_members(client, ann, alpha):
+    from runtime.models import Pool
+
+    node = node_register(name="node-a", runtimes=["gvisor"], cpu=4, memory_mb=8192)
+    pool = Pool.objects.create(team=alpha, image="busybox", memory_mb=256, size=3)
+    warm = [_sandbox(alpha, node=node, pool=pool) for _ in range(2)]
+    claimed = _sandbox(alpha, node=node, pool=pool, claimed_at=timezone.now())
+    page = client.get("/sandboxes/").content.decode()
+    assert f'id="pool-{pool.id}" data-ready="2" data-size="3"' in page
+    assert claimed.id in page and not any(w.id in page for w in warm)

@@ -43,6 +43,7 @@ def validation_error(request: HttpRequest, exc: ValidationError) -> HttpResponse
 
 
 from .images import router as images_router  # noqa: E402
+from .pools import router as pools_router  # noqa: E402
 from .processes import router as processes_router  # noqa: E402
 from .sandboxes import router as sandboxes_router  # noqa: E402
 from .system import router as system_router  # noqa: E402
@@ -52,4 +53,5 @@ api.add_router("/sandboxes", sandboxes_router)
 api.add_router("/sandboxes", processes_router)
 api.add_router("/images", images_router)
 api.add_router("/volumes", volumes_router)
+api.add_router("/pools", pools_router)
 api.add_router("", system_router)

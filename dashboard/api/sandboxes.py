@@ -72,6 +72,11 @@ class SandboxOut(Schema):
     on_expire: str
     idle_timeout_s: int | None
     last_activity_at: datetime | None
+    pool: str | None = Field(None, description="the warm pool it was claimed from")
+
+    @staticmethod
+    def resolve_pool(obj: Sandbox) -> str | None:
+        return obj.pool_id
 
     @staticmethod
     def resolve_node(obj: Sandbox) -> str | None:
@@ -172,7 +177,7 @@ async def create_sandbox(request: HttpRequest, payload: SandboxIn):
             volumes=[volume_svc.VolumeMount(v.volume, v.mount_path, v.read_only) for v in payload.volumes],
             ephemeral=payload.ephemeral, on_expire=payload.on_expire, idle_timeout_s=payload.idle_timeout_s,
         )  # fmt: skip
-        if payload.wait:
+        if payload.wait and sandbox.status not in svc.SETTLED:  # a claimed pool member already runs
             sandbox = svc.sandbox_wait(sandbox=sandbox, timeout=settings.HANGAR_CREATE_WAIT_S)
         return _full.get(id=sandbox.id)
 

@@ -138,6 +138,7 @@ async def process_start(
     Without ``timeout_s`` it runs as long as the sandbox does."""
     _require_running(sandbox)
     argv, env, cwd = exec_validate(cmd=cmd, env=env, cwd=cwd, timeout_s=timeout_s)
+    env = {**sandbox.env, **env}  # a claimed pool member got its env after it started
     if kind not in (Exec.Kind.STREAM, Exec.Kind.BACKGROUND):
         raise InvalidValue(f"kind must be stream or background, got {kind!r}")
     if stdin is not None and len(stdin) > MAX_INLINE_STDIN:
@@ -192,7 +193,7 @@ async def terminal_open(
     _check_size(rows, cols)
     if len(name) > 64:
         raise InvalidValue("name is limited to 64 characters")
-    env = {"TERM": "xterm-256color", "COLORTERM": "truecolor", **env}
+    env = {"TERM": "xterm-256color", "COLORTERM": "truecolor", **sandbox.env, **env}
 
     def create() -> Terminal:
         sandbox_mark_active(sandbox.id)

@@ -48,7 +48,12 @@ SETTLED = (S.RUNNING, S.FAILED, S.STOPPING, S.STOPPED, S.DELETED)
 
 
 def sandboxes_for_team(*, team: Team, status: str | None = None) -> QuerySet[Sandbox]:
-    qs = Sandbox.objects.filter(team=team).select_related("node").prefetch_related("volume_mounts__volume")
+    qs = (
+        Sandbox.objects.filter(team=team)
+        .exclude(pool__isnull=False, claimed_at__isnull=True)  # warm pool members: nobody's yet
+        .select_related("node")
+        .prefetch_related("volume_mounts__volume")
+    )
     if status:
         if status not in S.values:
             raise InvalidValue(f"unknown status {status!r}; one of: {', '.join(S.values)}")
@@ -118,6 +123,18 @@ def sandbox_create(
         )
     image_row = image_resolve(image)
     mounts = volume_svc.resolve_mounts(team=team, mounts=volumes or [])
+    if not mounts and not ephemeral:
+        # A warm pool of the team keeps this spec started: take one of its members.
+        from .pools import pool_claim
+
+        claimed = pool_claim(
+            team=team, image=image_row.name, runtime=runtime, cpu=cpu, memory_mb=memory_mb,
+            claim={"env": env, "metadata": metadata or {}, "timeout_s": timeout_s, "on_expire": on_expire,
+                   "idle_timeout_s": idle_timeout_s,
+                   "created_by": user if user is not None and user.is_authenticated else None},
+        )  # fmt: skip
+        if claimed is not None:
+            return claimed
     now = timezone.now()
     with transaction.atomic():
         node = node_pick(
@@ -174,6 +191,21 @@ def sandbox_wait(*, sandbox: Sandbox, timeout: float, statuses: Iterable[str] = 
 
 
 # -- on the node ------------------------------------------------------------------------------
+
+
+def sandbox_start_member(*, pool: Any) -> Sandbox:
+    """Start one member of a warm pool: the pool's spec, nobody's env, no expiry until claimed."""
+    image_row = image_resolve(pool.image)
+    with transaction.atomic():
+        node = node_pick(runtime=pool.runtime, cpu=pool.cpu, memory_mb=pool.memory_mb, image=image_row)
+        sandbox = Sandbox.objects.create(
+            team=pool.team, image=image_row.name, image_digest=image_row.digest, runtime=pool.runtime,
+            node=node, cpu=pool.cpu, memory_mb=pool.memory_mb, pool=pool, expires_at=None,
+        )  # fmt: skip
+        record_event(sandbox.id, "status", f"warm member of pool {pool.id}, scheduled on node {node.name}",
+                     node=node.name, pool=pool.id)  # fmt: skip
+        transaction.on_commit(lambda: _enqueue("provision", sandbox.id, node.queue))
+    return sandbox
 
 
 def sandbox_provision(*, sandbox_id: str) -> None:
@@ -628,6 +660,7 @@ def sandbox_exec(
     _require_running(sandbox)
     sandbox_mark_active(sandbox.id)
     argv, env, cwd = exec_validate(cmd=cmd, env=env, cwd=cwd, timeout_s=timeout_s)
+    env = {**sandbox.env, **env}  # a claimed pool member got its env after it started
     # One row per exec, written once it has ended (one write on the hot path, not two).
     row = Exec(
         sandbox=sandbox, argv=argv, cwd=cwd or "", started_at=timezone.now(),

@@ -1,0 +1,98 @@
+"""/api/v1/pools: warm pools. A `POST /sandboxes` whose image, runtime, cpu and memory_mb match
+a pool of the team (and that attaches no volumes and is not ephemeral) claims a started member
+at once; the pool refills in the background."""
+
+from __future__ import annotations
+
+from datetime import datetime
+
+from django.http import HttpRequest
+from ninja import Router, Schema
+from pydantic import Field
+
+from runtime.models import Pool
+from runtime.services import pools as pool_svc
+
+from .blocking import blocking
+
+router = Router(tags=["pools"])
+
+
+class PoolIn(Schema):
+    image: str = Field(min_length=1, max_length=300)
+    runtime: str = "gvisor"
+    cpu: float = 1.0
+    memory_mb: int = 512
+    size: int = Field(description="how many started, unclaimed sandboxes to keep")
+
+
+class PoolResizeIn(Schema):
+    size: int
+
+
+class PoolOut(Schema):
+    id: str
+    image: str
+    runtime: str
+    cpu: float
+    memory_mb: int
+    size: int
+    ready: int = Field(description="members started and waiting to be claimed")
+    starting: int
+    last_error: str = Field(description="why the last refill stopped short, if it did")
+    created_at: datetime
+
+
+def _out(pool: Pool) -> PoolOut:
+    fill = pool_svc.pool_fill(pool)
+    return PoolOut(
+        id=pool.id, image=pool.image, runtime=pool.runtime, cpu=pool.cpu, memory_mb=pool.memory_mb,
+        size=pool.size, ready=fill["ready"], starting=fill["starting"], last_error=pool.last_error,
+        created_at=pool.created_at,
+    )  # fmt: skip
+
+
+def _team(request: HttpRequest):
+    return request.auth.team  # type: ignore[attr-defined]
+
+
+@router.post("", response={201: PoolOut})
+async def create_pool(request: HttpRequest, payload: PoolIn):
+    def create() -> PoolOut:
+        pool = pool_svc.pool_create(
+            team=_team(request), user=request.auth.user, image=payload.image, runtime=payload.runtime,  # type: ignore[attr-defined]
+            cpu=payload.cpu, memory_mb=payload.memory_mb, size=payload.size,
+        )  # fmt: skip
+        return _out(pool)
+
+    return 201, await blocking(create)()
+
+
+@router.get("", response=list[PoolOut])
+async def list_pools(request: HttpRequest):
+    return await blocking(lambda: [_out(p) for p in pool_svc.pools_for_team(team=_team(request))])()
+
+
+@router.get("/{pool_id}", response=PoolOut)
+async def get_pool(request: HttpRequest, pool_id: str):
+    return await blocking(lambda: _out(pool_svc.pool_get(team=_team(request), pool_id=pool_id)))()
+
+
+@router.patch("/{pool_id}", response=PoolOut)
+async def resize_pool(request: HttpRequest, pool_id: str, payload: PoolResizeIn):
+    def resize() -> PoolOut:
+        pool = pool_svc.pool_resize(
+            pool=pool_svc.pool_get(team=_team(request), pool_id=pool_id), size=payload.size
+        )
+        return _out(pool)
+
+    return await blocking(resize)()
+
+
+@router.delete("/{pool_id}", response={204: None})
+async def delete_pool(request: HttpRequest, pool_id: str):
+    """Delete the pool and its unclaimed members (claimed sandboxes stay)."""
+    await blocking(
+        lambda: pool_svc.pool_delete(pool=pool_svc.pool_get(team=_team(request), pool_id=pool_id))
+    )()
+    return 204, None

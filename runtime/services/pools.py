@@ -1,0 +1,169 @@
+"""Warm pools: a team keeps ``size`` sandboxes of one spec started and unclaimed, so that a
+create with that spec is answered at once by claiming one.
+
+A pool's members are ordinary sandbox rows with ``pool`` set and ``claimed_at`` empty: they run
+on nodes and count against their capacity, do not expire, and are left out of the team's
+sandbox lists. Claiming one is a conditional update (two creates never get the same member);
+the claim gives it the caller's env, metadata, timeout and rules, and the pool refills in the
+background. A member is started with nothing of any caller's: env and files come only after
+its claim, so nothing leaks between the users of a pool.
+"""
+
+from __future__ import annotations
+
+import logging
+from datetime import timedelta
+from typing import Any
+
+from django.conf import settings
+from django.db import transaction
+from django.utils import timezone
+
+from ..errors import Conflict, InvalidValue, NoCapacity, NotFound
+from ..lifecycle import record_event
+from ..models import Pool, Sandbox, Team
+from .images import image_resolve
+
+log = logging.getLogger(__name__)
+S = Sandbox.Status
+WARM = [S.PENDING, S.STARTING, S.RUNNING]
+
+
+def pools_for_team(*, team: Team) -> list[Pool]:
+    return list(Pool.objects.filter(team=team).order_by("created_at"))
+
+
+def pool_get(*, team: Team, pool_id: str) -> Pool:
+    pool = Pool.objects.filter(team=team, id=pool_id).first()
+    if pool is None:
+        raise NotFound(f"no pool {pool_id!r}")
+    return pool
+
+
+def pool_fill(pool: Pool) -> dict[str, int]:
+    """How full the pool is: members ready (running), still starting, and its target."""
+    counts = {s: 0 for s in WARM}
+    for status in Sandbox.objects.filter(pool=pool, claimed_at__isnull=True, status__in=WARM).values_list(
+        "status", flat=True
+    ):
+        counts[status] += 1
+    return {"ready": counts[S.RUNNING], "starting": counts[S.PENDING] + counts[S.STARTING], "size": pool.size}
+
+
+def pool_create(
+    *,
+    team: Team,
+    user: Any,
+    image: str,
+    runtime: str = "gvisor",
+    cpu: float = 1.0,
+    memory_mb: int = 512,
+    size: int = 1,
+) -> Pool:
+    from .sandboxes import _validate_limits
+
+    _validate_limits(cpu=cpu, memory_mb=memory_mb, timeout_s=60)
+    limit = settings.HANGAR_POOL_MAX_SIZE
+    if not isinstance(size, int) or not 1 <= size <= limit:
+        raise InvalidValue(f"size must be between 1 and {limit}, got {size}")
+    image_row = image_resolve(image)
+    same = Pool.objects.filter(
+        team=team, image=image_row.name, runtime=runtime, cpu=cpu, memory_mb=memory_mb
+    ).first()
+    if same is not None:
+        raise Conflict(f"pool {same.id} already keeps this spec warm; change its size instead", pool=same.id)
+    pool = Pool.objects.create(
+        team=team, image=image_row.name, runtime=runtime, cpu=cpu, memory_mb=memory_mb, size=size,
+        created_by=user if user is not None and getattr(user, "is_authenticated", False) else None,
+    )  # fmt: skip
+    transaction.on_commit(lambda: _enqueue_refill(pool.id))
+    return pool
+
+
+def pool_resize(*, pool: Pool, size: int) -> Pool:
+    limit = settings.HANGAR_POOL_MAX_SIZE
+    if not isinstance(size, int) or not 1 <= size <= limit:
+        raise InvalidValue(f"size must be between 1 and {limit}, got {size}")
+    Pool.objects.filter(id=pool.id).update(size=size)
+    pool.size = size
+    transaction.on_commit(lambda: _enqueue_refill(pool.id))
+    return pool
+
+
+def pool_delete(*, pool: Pool) -> None:
+    """Delete the pool and its unclaimed members; claimed sandboxes are the callers' and stay."""
+    from .sandboxes import sandbox_delete
+
+    for member in (
+        Sandbox.objects.filter(pool=pool, claimed_at__isnull=True)
+        .exclude(status=S.DELETED)
+        .select_related("node")
+    ):
+        sandbox_delete(sandbox=member, reason=f"its warm pool {pool.id} was deleted")
+    pool.delete()
+
+
+def pool_refill(*, pool_id: str) -> int:
+    """Start members until the pool holds ``size`` unclaimed ones; returns how many it started.
+    Members that failed are deleted (they are nobody's yet)."""
+    from .sandboxes import sandbox_delete, sandbox_start_member
+
+    pool = Pool.objects.filter(id=pool_id).select_related("team").first()
+    if pool is None:
+        return 0
+    for dead in Sandbox.objects.filter(pool=pool, claimed_at__isnull=True, status=S.FAILED).select_related(
+        "node"
+    ):
+        sandbox_delete(sandbox=dead, reason=f"a failed member of warm pool {pool.id}: {dead.status_reason}")
+    have = Sandbox.objects.filter(pool=pool, claimed_at__isnull=True, status__in=WARM).count()
+    started = 0
+    error = ""
+    for _ in range(max(0, pool.size - have)):
+        try:
+            sandbox_start_member(pool=pool)
+            started += 1
+        except (NoCapacity, NotFound, InvalidValue) as exc:
+            error = exc.message
+            break
+    Pool.objects.filter(id=pool.id).update(last_error=error)
+    return started
+
+
+def pools_refill_all() -> int:
+    return sum(pool_refill(pool_id=p) for p in Pool.objects.values_list("id", flat=True))
+
+
+def pool_claim(
+    *, team: Team, image: str, runtime: str, cpu: float, memory_mb: int, claim: dict[str, Any]
+) -> Sandbox | None:
+    """A running member of the team's pool for this spec, now the caller's (``claim`` holds the
+    fields it takes on: env, metadata, timeout_s, created_by, rules); None if there is none."""
+    pool = Pool.objects.filter(team=team, image=image, runtime=runtime, cpu=cpu, memory_mb=memory_mb).first()
+    if pool is None:
+        return None
+    now = timezone.now()
+    for member_id in (
+        Sandbox.objects.filter(pool=pool, claimed_at__isnull=True, status=S.RUNNING)
+        .order_by("created_at")
+        .values_list("id", flat=True)[:5]
+    ):
+        fields = {**claim, "claimed_at": now, "expires_at": now + timedelta(seconds=claim["timeout_s"]),
+                  "last_activity_at": now, "updated_at": now}  # fmt: skip
+        if Sandbox.objects.filter(id=member_id, claimed_at__isnull=True, status=S.RUNNING).update(**fields):
+            record_event(member_id, "claimed", f"claimed from warm pool {pool.id}", pool=pool.id)
+            transaction.on_commit(lambda: _enqueue_refill(pool.id))
+            return Sandbox.objects.select_related("node").get(id=member_id)
+    transaction.on_commit(lambda: _enqueue_refill(pool.id))  # empty: it should not be
+    return None
+
+
+def _enqueue_refill(pool_id: str) -> None:
+    from kombu.exceptions import OperationalError
+
+    from .. import tasks
+
+    try:
+        tasks.pool_refill.apply_async(args=[pool_id], queue="control", retry=True,
+                                      retry_policy={"max_retries": 3, "interval_start": 0.2})  # fmt: skip
+    except OperationalError as exc:  # beat refills every pool on its next tick anyway
+        log.warning("could not enqueue the refill of pool %s: %s", pool_id, exc)

@@ -1,0 +1,71 @@
+"""Warm pools against real runsc: a matching create claims a started member at once, takes on
+the caller's env (and nothing of anybody else's), and the pool refills."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.api.test_sandboxes_api import create
+from tests.support import requires_runsc, wait_until
+
+pytestmark = [requires_runsc]
+
+
+def ready(api, pool_id: str) -> int:
+    return api.get(f"/pools/{pool_id}").json()["ready"]
+
+
+@pytest.fixture
+def pool(api):
+    r = api.post("/pools", json={"image": "busybox", "memory_mb": 256, "size": 2})
+    assert r.status_code == 201, r.text
+    pool = r.json()
+    wait_until(lambda: ready(api, pool["id"]) == 2, 60, what="the pool to fill")
+    return pool
+
+
+def test_a_matching_create_claims_a_warm_member_and_the_pool_refills(api, pool):
+    assert api.get("/sandboxes").json() == []  # unclaimed members are nobody's sandboxes yet
+    sb = create(api, memory_mb=256, env={"WHO": "first"}, metadata={"job": "a"}, timeout_s=600)
+    assert sb["status"] == "running" and sb["pool"] == pool["id"] and sb["metadata"] == {"job": "a"}
+    out = api.post(f"/sandboxes/{sb['id']}/exec", json={"cmd": "echo $WHO; ls -A /root /tmp"}).json()
+    assert out["stdout"] == "first\n/root:\n\n/tmp:\n"  # the caller's env; nobody's files
+    events = [e["message"] for e in api.get(f"/sandboxes/{sb['id']}/events").json()]
+    assert f"claimed from warm pool {pool['id']}" in events
+    assert [s["id"] for s in api.get("/sandboxes").json()] == [sb["id"]]
+
+    wait_until(lambda: ready(api, pool["id"]) == 2, 60, what="the refill")
+    second = create(api, memory_mb=256, env={"WHO": "second"})
+    assert second["pool"] == pool["id"] and second["id"] != sb["id"]
+    assert (
+        api.post(f"/sandboxes/{second['id']}/exec", json={"cmd": "echo $WHO"}).json()["stdout"] == "second\n"
+    )
+
+    # Another spec starts a sandbox of its own.
+    other = create(api, memory_mb=384)
+    assert other["pool"] is None
+
+
+def test_pools_are_the_teams_own(api, other_api, pool):
+    assert other_api.get(f"/pools/{pool['id']}").status_code == 404
+    assert other_api.get("/pools").json() == []
+    assert other_api.delete(f"/pools/{pool['id']}").status_code == 404
+
+
+def test_deleting_a_pool_removes_its_unclaimed_members_only(api, pool):
+    claimed = create(api, memory_mb=256)
+    assert claimed["pool"] == pool["id"]
+    assert api.delete(f"/pools/{pool['id']}").status_code == 204
+    assert api.get(f"/pools/{pool['id']}").status_code == 404
+    assert api.get(f"/sandboxes/{claimed['id']}").json()["status"] == "running"  # the caller's, kept
+
+
+def test_pool_input_errors_are_explained(api, pool):
+    r = api.post("/pools", json={"image": "busybox", "memory_mb": 256, "size": 2})
+    assert r.status_code == 409 and pool["id"] in r.json()["detail"]
+    r = api.post("/pools", json={"image": "busybox", "size": 0})
+    assert r.status_code == 422 and "size must be between 1" in r.json()["detail"]
+    r = api.post("/pools", json={"image": "nope", "size": 1})
+    assert r.status_code == 400 and "unknown image" in r.json()["detail"]
+    r = api.patch(f"/pools/{pool['id']}", json={"size": 1})
+    assert r.status_code == 200 and r.json()["size"] == 1
