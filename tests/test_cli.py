@@ -101,6 +101,14 @@ def test_hangar_up_runs_stops_cleanly_and_sandboxes_survive_a_restart(tmp_path):
         == "first\n"
     )
     assert (data_dir / "hangar.sqlite3").exists()
+    # A volume's data and a paused sandbox's files must outlive Hangar's processes too.
+    assert api.post("/volumes", json={"name": "keep", "size_mb": 32}).status_code == 201
+    vb = api.post("/sandboxes", json={"image": "busybox", "memory_mb": 256,
+                                      "volumes": [{"volume": "keep", "mount_path": "/keep"}]}).json()  # fmt: skip
+    api.post(
+        f"/sandboxes/{vb['id']}/exec", json={"cmd": "echo on-volume > /keep/f; echo in-root > /root/f; sync"}
+    )
+    assert api.post(f"/sandboxes/{vb['id']}/pause", json={}).json()["status"] == "paused"
 
     assert up.stop() == 0
     wait_until(lambda: not _hangar_processes(data_dir), 20, what="every hangar process to exit")
@@ -124,6 +132,13 @@ def test_hangar_up_runs_stops_cleanly_and_sandboxes_survive_a_restart(tmp_path):
     time.sleep(3)  # several reconciliation ticks
     assert api.get(f"/sandboxes/{sid}").json()["status"] == "running"
     assert api.post(f"/sandboxes/{sid}/exec", json={"cmd": "cat /tmp/f"}).json()["stdout"] == "first\n"
+    assert api.get(f"/sandboxes/{vb['id']}").json()["status"] == "paused"  # reconciliation left it be
+    assert api.post(f"/sandboxes/{vb['id']}/resume", json={}).json()["status"] == "running"
+    out = api.post(f"/sandboxes/{vb['id']}/exec", json={"cmd": "cat /keep/f /root/f"}).json()
+    assert out["stdout"] == "on-volume\nin-root\n", out
+    assert api.delete(f"/sandboxes/{vb['id']}").status_code == 204
+    wait_until(lambda: api.get(f"/sandboxes/{vb['id']}").json()["status"] == "deleted", 30, what="deleted")
+    assert api.delete("/volumes/keep").status_code == 204  # unmounts it: nothing left on the host
     assert api.delete(f"/sandboxes/{sid}").status_code == 204
     wait_until(lambda: api.get(f"/sandboxes/{sid}").json()["status"] == "deleted", 30, what="deleted")
     assert up.stop() == 0

@@ -195,8 +195,13 @@ def sandbox_wait(*, sandbox: Sandbox, timeout: float, statuses: Iterable[str] = 
 
 def sandbox_start_member(*, pool: Any) -> Sandbox:
     """Start one member of a warm pool: the pool's spec, nobody's env, no expiry until claimed."""
+    from ..models import Pool
+
     image_row = image_resolve(pool.image)
     with transaction.atomic():
+        # Locked, so a pool being deleted meanwhile gets no new member.
+        if not Pool.objects.select_for_update().filter(id=pool.id).exists():
+            raise NotFound(f"pool {pool.id} was deleted")
         node = node_pick(runtime=pool.runtime, cpu=pool.cpu, memory_mb=pool.memory_mb, image=image_row)
         sandbox = Sandbox.objects.create(
             team=pool.team, image=image_row.name, image_digest=image_row.digest, runtime=pool.runtime,
