@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -87,10 +89,24 @@ def start_hangar(data_dir: Path, port: int) -> Hangar:
 
 
 def destroy_leftovers(data_dir: Path) -> None:
-    """Whatever a failed run left behind must not outlive the bench's data dir."""
+    """Whatever a failed run left behind (sandboxes, volume mounts) must not outlive the bench's
+    data dir."""
     sys.path.insert(0, str(ROOT))
     from runtime.launchers.gvisor import GVisorLauncher
+    from runtime.launchers.volumes import VolumeStore
 
     launcher = GVisorLauncher(state_dir=data_dir / "runtime" / "gvisor")
     for sandbox_id in launcher.list():
         launcher.destroy_id(sandbox_id)
+    store = VolumeStore(data_dir / "volumes")
+    for volume_id in store.list():
+        store.delete(volume_id)
+
+
+def stop_hangar(hangar: Hangar | None, work: Path) -> None:
+    """Ctrl-C the bench's `hangar up`, clean up after it and remove its temporary dir."""
+    if hangar is not None:
+        hangar.proc.send_signal(signal.SIGINT)
+        hangar.proc.wait(60)
+        destroy_leftovers(work / "data")
+    shutil.rmtree(work, ignore_errors=True)

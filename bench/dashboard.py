@@ -22,8 +22,6 @@ import argparse
 import asyncio
 import json
 import os
-import shutil
-import signal
 import statistics
 import subprocess
 import sys
@@ -37,7 +35,7 @@ import websockets
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
 
-from _common import client, destroy_leftovers, pct, start_hangar  # noqa: E402
+from _common import client, pct, start_hangar, stop_hangar  # noqa: E402
 
 PROMPT = b"BENCH$ "
 
@@ -252,11 +250,7 @@ def main() -> int:
             results["pages_sandboxes"] = args.sandboxes + 1
             api.delete(f"/sandboxes/{sb['id']}")
     finally:
-        if hangar is not None:
-            hangar.proc.send_signal(signal.SIGINT)
-            hangar.proc.wait(60)
-            destroy_leftovers(work / "data")
-        shutil.rmtree(work, ignore_errors=True)
+        stop_hangar(hangar, work)
 
     k = results["keystroke_echo"]
     c = results["cat_throughput"]

@@ -13,8 +13,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
-import signal
 import sys
 import tempfile
 import time
@@ -23,7 +21,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
 
-from _common import client, destroy_leftovers, start_hangar, summary  # noqa: E402
+from _common import client, start_hangar, stop_hangar, summary  # noqa: E402
 
 
 def main() -> int:
@@ -76,16 +74,7 @@ def main() -> int:
                 print(f"cycle {i + 1}: pause {pauses[-1]:.3f} s, resume {resumes[-1]:.3f} s", flush=True)
             api.delete(f"/sandboxes/{sid}")
     finally:
-        if hangar is not None:
-            hangar.proc.send_signal(signal.SIGINT)
-            hangar.proc.wait(60)
-            destroy_leftovers(work / "data")
-            from runtime.launchers.volumes import VolumeStore
-
-            store = VolumeStore(work / "data" / "volumes")
-            for volume_id in store.list():
-                store.delete(volume_id)
-        shutil.rmtree(work, ignore_errors=True)
+        stop_hangar(hangar, work)
 
     results = {"cpus": os.cpu_count(), "touch_mb": args.touch_mb, "pause_stop": summary(pauses),
                "resume_stop": summary(resumes)}  # fmt: skip

@@ -12,8 +12,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
-import signal
 import statistics
 import sys
 import tempfile
@@ -23,7 +21,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
 
-from _common import client, destroy_leftovers, start_hangar, summary  # noqa: E402
+from _common import client, start_hangar, stop_hangar, summary  # noqa: E402
 
 SPEC = {"image": "busybox", "memory_mb": 256, "cpu": 1}
 
@@ -78,11 +76,7 @@ def main() -> int:
                 cold.append(elapsed)
                 api.delete(f"/sandboxes/{sb['id']}")
     finally:
-        if hangar is not None:
-            hangar.proc.send_signal(signal.SIGINT)
-            hangar.proc.wait(60)
-            destroy_leftovers(work / "data")
-        shutil.rmtree(work, ignore_errors=True)
+        stop_hangar(hangar, work)
 
     results = {"cpus": os.cpu_count(), "pool_size": args.size, "claim_create_to_exec": summary(claims),
                "no_pool_create_to_exec": summary(cold)}  # fmt: skip

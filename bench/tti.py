@@ -17,8 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
-import signal
 import statistics
 import subprocess
 import sys
@@ -33,7 +31,7 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from _common import client, destroy_leftovers, start_hangar, summary  # noqa: E402
+from _common import client, start_hangar, stop_hangar, summary  # noqa: E402
 
 from runtime.launchers.images import ImageStore  # noqa: E402
 
@@ -218,7 +216,7 @@ def main() -> int:
     args = parser.parse_args()
 
     work = Path(tempfile.mkdtemp(prefix="hangar-bench-"))
-    proc = None
+    hangar = None
     results: dict[str, object] = {"n": args.n, "cpus": os.cpu_count(), "runsc": subprocess.run(
         ["runsc", "--version"], capture_output=True, text=True).stdout.splitlines()[0]}  # fmt: skip
     try:
@@ -229,7 +227,7 @@ def main() -> int:
         url, token = args.url, args.token
         if not url:
             hangar = start_hangar(work / "data", args.port)
-            proc, token, url = hangar.proc, hangar.token, hangar.url
+            token, url = hangar.token, hangar.url
         created: list[str] = []
         with client(url, token) as api:
             hangar_once(api, created)  # warm-up: first-use costs (agent build, caches) are not TTI
@@ -261,11 +259,7 @@ def main() -> int:
             ratio_sequential_median=statistics.median(seq) / statistics.median(raw),
         )  # fmt: skip
     finally:
-        if proc is not None:
-            proc.send_signal(signal.SIGINT)
-            proc.wait(60)
-            destroy_leftovers(work / "data")
-        shutil.rmtree(work, ignore_errors=True)
+        stop_hangar(hangar, work)
 
     def row(name: str, s: dict[str, float] | None, unit: float = 1.0, label: str = "s") -> str:
         if not s:

@@ -521,72 +521,51 @@ def _after_action(request: HttpRequest, tc: TeamContext, sandbox_id: str) -> Htt
     return redirect("sandbox", sandbox_id)
 
 
-@login_required
-@require_POST
-def sandbox_stop(request: HttpRequest, sandbox_id: str) -> HttpResponse:
+def _sandbox_action(
+    request: HttpRequest, sandbox_id: str, act: Callable[[Sandbox, str], Any], doing: str
+) -> HttpResponse:
+    """A header button: the team's member asks, the service acts, the header is redrawn."""
     tc = _team_context(request)
     sandbox = _sandbox_or_404(tc, sandbox_id)
     if not tc.can_change:
         return HttpResponseForbidden(VIEWER_REFUSAL)
     try:
-        svc.sandbox_stop(
-            sandbox=sandbox, reason=f"stopped from the dashboard by {request.user.get_username()}"
-        )
+        act(sandbox, request.user.get_username())
     except ServiceError as exc:
         messages.error(request, exc.message)
     else:
-        messages.info(request, f"Stopping {sandbox.id}…")
+        messages.info(request, f"{doing} {sandbox.id}…")
     return _after_action(request, tc, sandbox_id)
+
+
+@login_required
+@require_POST
+def sandbox_stop(request: HttpRequest, sandbox_id: str) -> HttpResponse:
+    return _sandbox_action(
+        request, sandbox_id,
+        lambda sb, who: svc.sandbox_stop(sandbox=sb, reason=f"stopped from the dashboard by {who}"), "Stopping",
+    )  # fmt: skip
 
 
 @login_required
 @require_POST
 def sandbox_pause(request: HttpRequest, sandbox_id: str) -> HttpResponse:
-    tc = _team_context(request)
-    sandbox = _sandbox_or_404(tc, sandbox_id)
-    if not tc.can_change:
-        return HttpResponseForbidden(VIEWER_REFUSAL)
-    try:
-        svc.sandbox_pause(sandbox=sandbox)
-    except ServiceError as exc:
-        messages.error(request, exc.message)
-    else:
-        messages.info(request, f"Pausing {sandbox.id}…")
-    return _after_action(request, tc, sandbox_id)
+    return _sandbox_action(request, sandbox_id, lambda sb, who: svc.sandbox_pause(sandbox=sb), "Pausing")
 
 
 @login_required
 @require_POST
 def sandbox_resume(request: HttpRequest, sandbox_id: str) -> HttpResponse:
-    tc = _team_context(request)
-    sandbox = _sandbox_or_404(tc, sandbox_id)
-    if not tc.can_change:
-        return HttpResponseForbidden(VIEWER_REFUSAL)
-    try:
-        svc.sandbox_resume(sandbox=sandbox)
-    except ServiceError as exc:
-        messages.error(request, exc.message)
-    else:
-        messages.info(request, f"Resuming {sandbox.id}…")
-    return _after_action(request, tc, sandbox_id)
+    return _sandbox_action(request, sandbox_id, lambda sb, who: svc.sandbox_resume(sandbox=sb), "Resuming")
 
 
 @login_required
 @require_POST
 def sandbox_delete(request: HttpRequest, sandbox_id: str) -> HttpResponse:
-    tc = _team_context(request)
-    sandbox = _sandbox_or_404(tc, sandbox_id)
-    if not tc.can_change:
-        return HttpResponseForbidden(VIEWER_REFUSAL)
-    try:
-        svc.sandbox_delete(
-            sandbox=sandbox, reason=f"deleted from the dashboard by {request.user.get_username()}"
-        )
-    except ServiceError as exc:
-        messages.error(request, exc.message)
-    else:
-        messages.info(request, f"Deleting {sandbox.id}…")
-    return _after_action(request, tc, sandbox_id)
+    return _sandbox_action(
+        request, sandbox_id,
+        lambda sb, who: svc.sandbox_delete(sandbox=sb, reason=f"deleted from the dashboard by {who}"), "Deleting",
+    )  # fmt: skip
 
 
 @login_required

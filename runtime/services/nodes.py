@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 from datetime import timedelta
+from typing import Any
 
 from django.conf import settings
 from django.db import transaction
 from django.db.models import Count, Q, Sum
 from django.utils import timezone
 
-from ..errors import NoCapacity
+from ..errors import NoCapacity, NodeUnavailable
 from ..models import Image, Node, Sandbox
 
 # What holds CPU and memory on a node (a paused sandbox holds only its disk).
@@ -105,3 +106,18 @@ def node_pick(*, runtime: str, cpu: float, memory_mb: int, image: Image, node_id
     with transaction.atomic():
         Node.objects.select_for_update().filter(id=chosen.id).first()
     return chosen
+
+
+def node_call(node: Node, task: Any, args: list[Any], timeout: float) -> dict[str, Any]:
+    """Run a task on ``node``'s own queue and wait for its JSON answer; a node that does not
+    answer in time is :class:`NodeUnavailable` (502)."""
+    from celery.exceptions import TimeoutError as CeleryTimeout
+
+    result = task.apply_async(args=args, queue=node.queue)
+    try:
+        answer: dict[str, Any] = result.get(timeout=timeout, propagate=True)
+    except CeleryTimeout:
+        raise NodeUnavailable(f"node {node.name} did not answer within {timeout:.0f} s") from None
+    finally:
+        result.forget()
+    return answer

@@ -18,7 +18,7 @@ from django.db.models import Q, QuerySet
 from django.utils import timezone
 
 from .. import notify
-from ..errors import Conflict, InvalidValue, NodeUnavailable, NotFound
+from ..errors import Conflict, InvalidValue, NotFound
 from ..launchers.base import (
     ExecRequest,
     ExecResult,
@@ -37,7 +37,7 @@ from ..node import image_store, launcher_for, local_node_name
 from ..notify import wait_for_status
 from . import volumes as volume_svc
 from .images import image_resolve
-from .nodes import node_pick
+from .nodes import node_call, node_pick
 
 log = logging.getLogger(__name__)
 S = Sandbox.Status
@@ -560,19 +560,10 @@ def _is_local(sandbox: Sandbox) -> bool:
 
 def _remote(sandbox: Sandbox, op: str, payload: dict[str, Any], timeout: float) -> dict[str, Any]:
     """Run one node operation on the sandbox's node through its queue and wait for the answer."""
-    from celery.exceptions import TimeoutError as CeleryTimeout
-
     from .. import tasks
 
-    node = sandbox.node
-    assert node is not None
-    async_result = tasks.node_op.apply_async(args=[op, sandbox.id, payload], queue=node.queue)
-    try:
-        answer: dict[str, Any] = async_result.get(timeout=timeout, propagate=True)
-    except CeleryTimeout:
-        raise NodeUnavailable(f"node {node.name} did not answer within {timeout:.0f} s") from None
-    finally:
-        async_result.forget()
+    assert sandbox.node is not None
+    answer = node_call(sandbox.node, tasks.node_op, [op, sandbox.id, payload], timeout)
     if "error" in answer:
         kind = answer["error"]
         if kind == "file":

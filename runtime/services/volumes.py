@@ -178,17 +178,10 @@ def _on_node(volume: Volume, op: str, payload: dict[str, Any], timeout: float = 
             return volume_op(op=op, volume_id=volume.id, payload=payload)
         except VolumeError as exc:
             raise NodeUnavailable(f"volume {op} failed on node {node.name}: {exc}") from None
-    from celery.exceptions import TimeoutError as CeleryTimeout
-
     from .. import tasks
+    from .nodes import node_call
 
-    result = tasks.volume_op.apply_async(args=[op, volume.id, payload], queue=node.queue)
-    try:
-        answer: dict[str, Any] = result.get(timeout=timeout, propagate=True)
-    except CeleryTimeout:
-        raise NodeUnavailable(f"node {node.name} did not answer within {timeout:.0f} s") from None
-    finally:
-        result.forget()
+    answer = node_call(node, tasks.volume_op, [op, volume.id, payload], timeout)
     if "error" in answer:
         raise NodeUnavailable(f"volume {op} failed on node {node.name}: {answer['error']}")
     return answer
