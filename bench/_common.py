@@ -71,7 +71,17 @@ def start_hangar(data_dir: Path, port: int) -> Hangar:
             password = rest.split()[0]
         if "Press Ctrl-C" in line:
             break
-    threading.Thread(target=lambda: [None for _ in proc.stdout], daemon=True).start()  # type: ignore[union-attr]
+    # BENCH_LOG=path keeps what Hangar logs during the run (the node's timings, for one).
+    log_path = os.environ.get("BENCH_LOG")
+    sink = open(log_path, "a") if log_path else None  # noqa: SIM115 - lives as long as the thread
+
+    def drain() -> None:
+        for line in proc.stdout:  # type: ignore[union-attr]
+            if sink is not None:
+                sink.write(line)
+                sink.flush()
+
+    threading.Thread(target=drain, daemon=True).start()
     if not token:
         raise RuntimeError("hangar up did not print an API token")
     url = f"http://127.0.0.1:{port}"

@@ -18,6 +18,10 @@ class SandboxCreateForm(forms.Form):
         label="When the TTL runs out", initial="destroy", required=False,
         choices=[("destroy", "delete it"), ("pause", "pause it (files kept)")],
     )  # fmt: skip
+    pause_mode = forms.ChoiceField(
+        label="A pause keeps", initial="stop", required=False,
+        choices=[("stop", "its files (processes end)"), ("checkpoint", "its processes and memory too")],
+    )  # fmt: skip
     idle_timeout_s = forms.IntegerField(
         label="Pause when idle for (s)", required=False, min_value=10,
         widget=forms.NumberInput(attrs={"placeholder": "never", "min": "10"}),
@@ -36,6 +40,8 @@ class SandboxCreateForm(forms.Form):
         ("timeout_s", "timeout_s"),
         ("idle_timeout_s", "idle_timeout_s"),
         ("on_expire", "on_expire"),
+        ("unknown pause mode", "pause_mode"),
+        ("an ephemeral sandbox", "pause_mode"),
         ("env", "env"),
         ("unknown image", "image"),
         ("image", "image"),

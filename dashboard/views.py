@@ -248,6 +248,7 @@ def sandboxes(request: HttpRequest) -> HttpResponse:
                     team=tc.team, user=request.user, image=data["image"], runtime=data["runtime"],
                     cpu=data["cpu"], memory_mb=data["memory_mb"], timeout_s=data["timeout_s"], env=data["env"],
                     on_expire=data.get("on_expire") or "destroy", idle_timeout_s=data.get("idle_timeout_s"),
+                    pause_mode=data.get("pause_mode") or "stop",
                 )  # fmt: skip
             except ServiceError as exc:
                 form.add_service_error(exc.message)
@@ -550,7 +551,11 @@ def sandbox_stop(request: HttpRequest, sandbox_id: str) -> HttpResponse:
 @login_required
 @require_POST
 def sandbox_pause(request: HttpRequest, sandbox_id: str) -> HttpResponse:
-    return _sandbox_action(request, sandbox_id, lambda sb, who: svc.sandbox_pause(sandbox=sb), "Pausing")
+    mode = request.POST.get("mode") or None
+    doing = "Checkpointing" if mode == "checkpoint" else "Pausing"
+    return _sandbox_action(
+        request, sandbox_id, lambda sb, who: svc.sandbox_pause(sandbox=sb, mode=mode), doing
+    )
 
 
 @login_required

@@ -228,6 +228,10 @@ class Sandbox(models.Model):
     # An ephemeral sandbox keeps nothing outside its volumes when paused.
     ephemeral = models.BooleanField(default=False)
     on_expire = models.CharField(max_length=16, default="destroy")  # pause | destroy
+    # How a pause keeps it (stop | checkpoint) unless the call says; and, while it is paused
+    # (or pausing, resuming), how it was.
+    pause_mode = models.CharField(max_length=16, default="stop")
+    paused_mode = models.CharField(max_length=16, blank=True)
     idle_timeout_s = models.IntegerField(null=True, blank=True)  # idle that long: paused
     last_activity_at = models.DateTimeField(null=True, blank=True)
     # A warm pool's member: nobody's until claimed (then it is the claimer's like any other).

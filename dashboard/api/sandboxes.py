@@ -48,6 +48,9 @@ class SandboxIn(Schema):
         "destroy", description="what happens when timeout_s runs out"
     )
     idle_timeout_s: int | None = Field(None, description="pause it after this long without activity")
+    pause_mode: Literal["stop", "checkpoint"] = Field(
+        "stop", description="how a pause keeps it when the pause call does not say (see /pause)"
+    )
     wait: bool = True
 
 
@@ -71,6 +74,8 @@ class SandboxOut(Schema):
     ephemeral: bool
     on_expire: str
     idle_timeout_s: int | None
+    pause_mode: str
+    paused_mode: str = Field(description="while paused: stop or checkpoint, how it was paused")
     last_activity_at: datetime | None
     pool: str | None = Field(None, description="the warm pool it was claimed from")
 
@@ -176,6 +181,7 @@ async def create_sandbox(request: HttpRequest, payload: SandboxIn):
             timeout_s=payload.timeout_s, env=payload.env, metadata=payload.metadata,
             volumes=[volume_svc.VolumeMount(v.volume, v.mount_path, v.read_only) for v in payload.volumes],
             ephemeral=payload.ephemeral, on_expire=payload.on_expire, idle_timeout_s=payload.idle_timeout_s,
+            pause_mode=payload.pause_mode,
         )  # fmt: skip
         if payload.wait and sandbox.status not in svc.SETTLED:  # a claimed pool member already runs
             sandbox = svc.sandbox_wait(sandbox=sandbox, timeout=settings.HANGAR_CREATE_WAIT_S)
@@ -278,7 +284,11 @@ async def keepalive(request: HttpRequest, sandbox_id: str, payload: KeepaliveIn)
 
 
 class PauseIn(Schema):
-    mode: Literal["stop"] = Field("stop", description="stop: processes end, files stay")
+    mode: Literal["stop", "checkpoint"] | None = Field(
+        None,
+        description="stop: processes end, files stay; checkpoint: processes and memory are saved "
+        "and continue on resume. Default: the sandbox's pause_mode",
+    )
     wait: bool = Field(True, description="answer once it is paused")
 
 
@@ -288,9 +298,12 @@ class ResumeIn(Schema):
 
 @router.post("/{sandbox_id}/pause", response=SandboxOut)
 async def pause_sandbox(request: HttpRequest, sandbox_id: str, payload: PauseIn):
-    """Pause a running sandbox: its processes and terminals end and its CPU and memory are
-    freed; its files stay, on volumes and (unless it is `ephemeral`) outside them. A paused
-    sandbox does not expire; resume it, or delete it."""
+    """Pause a running sandbox; its CPU and memory are freed either way. `mode=stop`: its
+    processes and terminals end; its files stay, on volumes and (unless it is `ephemeral`)
+    outside them. `mode=checkpoint`: the whole sandbox is saved (gVisor checkpoint), and on
+    resume its processes continue from where they were, with their memory; background
+    processes and terminals opened through Hangar stream on. A paused sandbox does not
+    expire; resume it, or delete it."""
 
     def pause() -> Sandbox:
         sandbox = svc.sandbox_pause(sandbox=_get(request, sandbox_id), mode=payload.mode)
@@ -304,7 +317,8 @@ async def pause_sandbox(request: HttpRequest, sandbox_id: str, payload: PauseIn)
 
 @router.post("/{sandbox_id}/resume", response=SandboxOut)
 async def resume_sandbox(request: HttpRequest, sandbox_id: str, payload: ResumeIn):
-    """Start a paused sandbox again, over the files it had; its TTL starts afresh."""
+    """Start a paused sandbox again: over the files it had (stop mode), or restored with its
+    processes (checkpoint mode). Its TTL starts afresh."""
 
     def resume() -> Sandbox:
         sandbox = svc.sandbox_resume(sandbox=_get(request, sandbox_id))

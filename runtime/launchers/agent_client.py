@@ -14,7 +14,8 @@ request      fields                                        reply
 ``P`` ping   (none)                                        ``K`` version, pid
 ``E`` exec   arg (repeated), env (``NAME=VALUE``,          ``F``, or ``S`` pid, then ``O``
              repeated), cwd, timeout_ms, tty, rows, cols,  stdout / ``R`` stderr bytes, then
-             stdin                                         ``X`` code, signal, timed_out
+             stdin, detach                                 ``X`` code, signal, timed_out
+             (or ``H``: detached, see below)
 ``R`` read   path, offset, length                          ``T`` stat, ``D`` data..., ``K``
 ``W`` write  path, mode, mkdirs, append; then ``D`` data   ``K`` size
              frames and a final ``C``
@@ -22,11 +23,20 @@ request      fields                                        reply
 ``M`` mkdir  path, mode                                    ``K``
 ``D`` delete path, recursive                               ``K``
 ``S`` stat   path                                          ``K`` type, size, mode, mtime
+``Q`` quiesce (none)                                       ``K`` once every connection is
+                                                           closed; then the agent closes
+``A`` attach pid (of a detached command)                   ``S`` pid, then as ``E`` goes on
 ===========  ============================================  ===================================
 
 While an exec runs the client may send ``I`` stdin bytes, ``C`` close stdin, ``Z`` resize
 (rows, cols) and ``G`` signal (sig, sent to the command's process group). Hanging up kills the
 command's process group. Paths must be absolute. This module uses only the standard library.
+
+Checkpoints: gVisor cannot save a host socket, so before one the client sends ``Q``. The agent
+stops listening; every exec opened with ``detach=1`` sends ``H`` and closes its connection while
+its command runs on (its output waits in the pipe); every other exec ends. After the restore
+the host sends the agent SIGUSR2 (``runsc kill ID USR2``) to listen again, and ``A`` picks a
+detached command's stream up where it stopped.
 """
 
 from __future__ import annotations
@@ -64,6 +74,11 @@ class AgentError(Exception):
 
 class AgentUnavailable(AgentError):
     """Nothing accepts connections on the agent's socket (missing, refused, or not yet up)."""
+
+
+class AgentDetached(AgentError):
+    """The agent let go of a running command's connection for a checkpoint; the command goes
+    on, and :meth:`AgentProcess.reattach` picks its stream up again once the agent listens."""
 
 
 class AgentFileError(AgentError):
@@ -342,12 +357,15 @@ class AgentClient:
         cols: int = 80,
         stdin: bool = True,
         timeout: float | None = None,
+        detachable: bool = False,
     ) -> AgentProcess:
         """Start a command and return its live connection. Raises :class:`AgentFileError` if it
         cannot start (``ENOENT`` for a missing binary or cwd). Close it (or use it as a context
-        manager): hanging up kills the command's process group."""
+        manager): hanging up kills the command's process group. A ``detachable`` command
+        survives a checkpoint of the sandbox (see :meth:`quiesce`); its stream then raises
+        :class:`AgentDetached`, and :meth:`AgentProcess.reattach` continues it."""
         io_timeout = None if timeout is None or timeout <= 0 else timeout + EXEC_TIMEOUT_MARGIN
-        return self._open_process(argv, env, cwd, tty, rows, cols, stdin, timeout, io_timeout)
+        return self._open_process(argv, env, cwd, tty, rows, cols, stdin, timeout, io_timeout, detachable)
 
     def _open_process(
         self,
@@ -360,6 +378,7 @@ class AgentClient:
         stdin: bool,
         timeout: float | None,
         io_timeout: float | None,
+        detachable: bool = False,
     ) -> AgentProcess:
         if not argv:
             raise ValueError("argv must not be empty")
@@ -376,10 +395,15 @@ class AgentClient:
             fields += [("tty", 1), ("rows", rows), ("cols", cols)]
         if stdin:
             fields.append(("stdin", 1))
+        if detachable:
+            fields.append(("detach", 1))
         sock = self._request(b"E", fields, timeout=io_timeout)
+        # A command may be silent for as long as it runs: without a timeout of its own, its
+        # stream must not inherit the client's default for requests (None there means that).
+        sock.settimeout(io_timeout)
         try:
             started = _expect(*_read_frame(sock), b"S")
-            return AgentProcess(sock, int(started["pid"]))
+            return AgentProcess(sock, int(started["pid"]), self, io_timeout)
         except (KeyError, ValueError) as exc:
             sock.close()
             raise AgentError("malformed start reply from the agent") from exc
@@ -453,6 +477,26 @@ class AgentClient:
             pid=proc.pid,
             truncated=truncated,
         )
+
+    def quiesce(self) -> None:
+        """Make the sandbox checkpointable: the agent stops listening and closes every
+        connection to the host (detachable commands detach, other commands end). Returns once
+        the agent has closed the last one. Undone by SIGUSR2 to the agent (``runsc kill``)."""
+        with contextlib.closing(self._request(b"Q", [], timeout=10.0)) as sock:
+            _expect(*_read_frame(sock), b"K")
+            while sock.recv(4096):  # the agent's close is the signal that all are closed
+                pass
+
+    def attach(self, pid: int, io_timeout: float | None = None) -> socket.socket:
+        """A new connection to the detached command ``pid``, its stream going on from here."""
+        sock = self._request(b"A", [("pid", int(pid))])
+        try:
+            _expect(*_read_frame(sock), b"S")
+            sock.settimeout(io_timeout)
+        except BaseException:
+            sock.close()
+            raise
+        return sock
 
     def iter_file(self, path: str, chunk_size: int = DATA_CHUNK) -> tuple[FileStat, Iterator[bytes]]:
         """Stat and content of a regular file, streamed. Errors about the file itself (missing,
@@ -574,8 +618,16 @@ def _feed_stdin(proc: AgentProcess, data: bytes) -> None:
 class AgentProcess:
     """A running command: one open exec connection."""
 
-    def __init__(self, sock: socket.socket, pid: int) -> None:
+    def __init__(
+        self,
+        sock: socket.socket,
+        pid: int,
+        client: AgentClient | None = None,
+        io_timeout: float | None = None,
+    ) -> None:
         self._sock = sock
+        self._client = client
+        self._io_timeout = io_timeout
         self._send_lock = threading.Lock()  # frames from several threads must not interleave
         self.pid = pid
         self.exit_info: ExitInfo | None = None
@@ -623,8 +675,21 @@ class AgentProcess:
                 yield "exit", info
             elif kind == b"F":
                 raise _file_error(payload)
+            elif kind == b"H":
+                raise AgentDetached(f"the agent detached command {self.pid} for a checkpoint")
             else:
                 raise AgentError(f"unexpected {kind!r} frame from a running command")
+
+    def reattach(self) -> None:
+        """Continue the stream of a detached command on a new connection (see
+        :class:`AgentDetached`). Raises :class:`AgentUnavailable` while the agent is not
+        listening yet, :class:`AgentFileError` (``ESRCH``) if the command did not survive."""
+        if self._client is None:
+            raise AgentError("this process cannot be re-attached")
+        sock = self._client.attach(self.pid, self._io_timeout)
+        with self._send_lock:
+            old, self._sock = self._sock, sock
+        old.close()
 
     def fileno(self) -> int:
         return self._sock.fileno()

@@ -207,6 +207,22 @@ class Launcher(abc.ABC):
         to its root filesystem (unless ``keep_files`` is false) so that :meth:`create` with the
         same id starts it again over the same files. Idempotent."""
 
+    #: Whether :meth:`checkpoint` and :meth:`restore` work with this runtime.
+    can_checkpoint = False
+
+    def checkpoint(self, sandbox_id: str) -> None:
+        """Save the running sandbox whole (processes, memory, open files) to the node's disk
+        and free its CPU and memory; :meth:`restore` continues it. Idempotent: a repeated
+        call after a completed checkpoint only finishes releasing the runtime. If it raises,
+        the sandbox may be gone (the runtime stops it either way): fall back to
+        :meth:`suspend`, which keeps its files."""
+        raise LauncherError(f"the {self.name} runtime cannot checkpoint a sandbox")
+
+    def restore(self, spec: SandboxSpec) -> Handle:
+        """Continue a sandbox saved by :meth:`checkpoint`. If it raises, the saved state is
+        discarded, and :meth:`create` starts the sandbox afresh over its kept files."""
+        raise LauncherError(f"the {self.name} runtime cannot restore a sandbox")
+
     @abc.abstractmethod
     def destroy(self, handle: Handle) -> None:
         """Remove everything the sandbox holds on the node: processes, mounts, cgroups, state."""

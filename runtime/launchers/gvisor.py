@@ -8,7 +8,8 @@ Each sandbox gets, under ``<state_dir>/sandboxes/<id>/``:
   at ``/.hangar/agent``) listens on ``run/agent.sock``. runsc runs with ``--host-uds=create``
   so that socket is a real host socket: exec and file calls are one unix-socket round trip
   instead of a ``runsc exec`` process each (~45 ms here);
-- ``bundle/config.json`` and ``handle.json`` (the persisted handle, for re-adoption).
+- ``bundle/config.json`` and ``handle.json`` (the persisted handle, for re-adoption);
+- ``checkpoint/``: while paused in checkpoint mode, the saved sandbox (``runsc checkpoint``).
 
 runsc is started in its own session, so stopping Hangar's processes never stops sandboxes.
 """
@@ -18,9 +19,11 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import json
+import logging
 import os
 import shutil
 import subprocess
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
@@ -47,6 +50,8 @@ from .base import (
     Stats,
 )
 from .locks import file_lock
+
+log = logging.getLogger(__name__)
 
 AGENT_PATH = "/.hangar/agent"
 AGENT_RUN_DIR = "/.hangar/run"
@@ -81,6 +86,7 @@ def _is_mounted(path: Path) -> bool:
 
 class GVisorLauncher(Launcher):
     name = "gvisor"
+    can_checkpoint = True
 
     def __init__(
         self,
@@ -98,6 +104,7 @@ class GVisorLauncher(Launcher):
         self.extra_flags = tuple(extra_flags)
         self.agent_cache_dir = Path(agent_cache_dir) if agent_cache_dir else self.state_dir / "bin"
         self._agent: Path | None = None
+        self._ckpt_flags: tuple[str, ...] | None = None
 
     # -- plumbing -------------------------------------------------------------------------
 
@@ -199,54 +206,24 @@ class GVisorLauncher(Launcher):
         if not (spec.rootfs / "bin").exists() and not (spec.rootfs / "usr").exists():
             raise LauncherError(f"image root filesystem {spec.rootfs} is missing or empty")
         with file_lock(self.sandboxes_dir / f".{spec.id}.lock"):
-            handle: Handle = {
-                "id": spec.id,
-                "runtime": self.name,
-                "dir": str(d),
-                "socket": str(d / "run" / "agent.sock"),
-                "lower": str(spec.rootfs),
-                "memory_mb": spec.memory_mb,
-                "cpu": spec.cpu,
-            }
+            handle = self._new_handle(spec)
             if (d / "handle.json").exists() and self._agent_answers(handle):
                 # A duplicated or retried task: the sandbox is already up.
                 return handle
-            for sub in ("upper", "work", "rootfs", "run", "bundle"):
-                (d / sub).mkdir(parents=True, exist_ok=True)
-            if not _is_mounted(d / "run"):
-                # The sandbox can write into this bind mount: a tiny tmpfs keeps it from filling
-                # the host's disk through it.
-                _mount("tmpfs", d / "run", "size=1m,mode=0700", MS_NOSUID | MS_NODEV | MS_NOEXEC)
-            if not _is_mounted(d / "rootfs"):
-                _mount(
-                    "overlay",
-                    d / "rootfs",
-                    f"lowerdir={spec.rootfs},upperdir={d / 'upper'},workdir={d / 'work'}",
-                )
+            self._mount_dirs(d, spec)
+            # A checkpoint this sandbox was paused with is of no use once it starts afresh.
+            for saved in ("checkpoint", "checkpoint.partial"):
+                shutil.rmtree(d / saved, ignore_errors=True)
             (d / "bundle" / "config.json").write_text(json.dumps(self._oci_spec(spec, d)))
             (d / "handle.json").write_text(json.dumps(handle))
             if self._has_runtime_state(spec.id):
                 # A leftover container from a crashed earlier attempt would make `run` fail.
                 _run(self._runsc("delete", "--force", spec.id), check=False)
-            # The sandbox inherits runsc's stdio and keeps it open for its whole life: give it a
-            # log file, never a pipe we would wait on.
-            log_path = d / "console.log"
-            with open(log_path, "ab") as log:
-                start = log.tell()
-                proc = subprocess.run(
-                    self._runsc("run", "--detach", "--bundle", str(d / "bundle"), spec.id),
-                    stdin=subprocess.DEVNULL,
-                    stdout=log,
-                    stderr=log,
-                    start_new_session=True,
-                    timeout=60,
-                )
-            if proc.returncode != 0:
-                with open(log_path, "rb") as log:
-                    log.seek(start)
-                    err = log.read().decode(errors="replace").strip()[-800:]
+            try:
+                self._start(d, spec.id, "run", "--detach", "--bundle", str(d / "bundle"), spec.id)
+            except LauncherError as exc:
                 self._destroy_locked(spec.id)
-                raise LauncherError(f"runsc could not start the sandbox: {err}")
+                raise LauncherError(f"runsc could not start the sandbox: {exc}") from exc
             try:
                 self._client(handle).wait_ready(15.0)
             except agent_client.AgentError as exc:
@@ -254,6 +231,195 @@ class GVisorLauncher(Launcher):
                 self._destroy_locked(spec.id)
                 raise LauncherError(f"sandbox agent did not come up: {exc}; console: {tail}") from exc
             return handle
+
+    def _mount_dirs(self, d: Path, spec: SandboxSpec) -> None:
+        for sub in ("upper", "work", "rootfs", "run", "bundle"):
+            (d / sub).mkdir(parents=True, exist_ok=True)
+        if not _is_mounted(d / "run"):
+            # The sandbox can write into this bind mount: a tiny tmpfs keeps it from filling
+            # the host's disk through it.
+            _mount("tmpfs", d / "run", "size=1m,mode=0700", MS_NOSUID | MS_NODEV | MS_NOEXEC)
+        if not _is_mounted(d / "rootfs"):
+            _mount(
+                "overlay",
+                d / "rootfs",
+                f"lowerdir={spec.rootfs},upperdir={d / 'upper'},workdir={d / 'work'}",
+            )
+
+    def _new_handle(self, spec: SandboxSpec) -> Handle:
+        d = self._dir(spec.id)
+        return {
+            "id": spec.id,
+            "runtime": self.name,
+            "dir": str(d),
+            "socket": str(d / "run" / "agent.sock"),
+            "lower": str(spec.rootfs),
+            "memory_mb": spec.memory_mb,
+            "cpu": spec.cpu,
+        }
+
+    def _release(self, sandbox_id: str, delete: bool = True) -> None:
+        """Free what create() (or restore()) makes again: the runsc container, the mounts, the
+        cgroup, the handle. Files (upper/) and a checkpoint stay. Lock held. Without
+        ``delete``, runsc's record of a sandbox that has exited is left for later."""
+        d = self._dir(sandbox_id)
+        if delete and self._has_runtime_state(sandbox_id):
+            _run(self._runsc("delete", "--force", sandbox_id), check=False)
+        for mountpoint in (d / "rootfs", d / "run"):
+            _unmount(mountpoint)
+        for controller_dir in _cgroup_dirs(sandbox_id):
+            with contextlib.suppress(OSError):
+                controller_dir.rmdir()
+        (d / "handle.json").unlink(missing_ok=True)
+        (d / "quiesced").unlink(missing_ok=True)
+
+    # -- checkpoint and restore -------------------------------------------------------------
+    #
+    # gVisor saves a whole sandbox (memory, processes, open files, its own network stack) with
+    # `runsc checkpoint` and continues it with `runsc restore`. What it cannot save is a host
+    # socket, and the agent's exec and file connections are host sockets (--host-uds=create),
+    # as is its listening socket. So the agent is first quiesced: it stops listening and lets
+    # go of every connection; commands streamed to a live client (background processes and
+    # terminals, opened detachable) keep running, detached, and the client re-attaches after
+    # the restore. Debian 12's runsc stops the sandbox when a checkpoint fails, and its
+    # --leave-running hangs: a failed checkpoint therefore falls back to a pause in stop mode.
+
+    def checkpoint(self, sandbox_id: str) -> None:
+        with file_lock(self.sandboxes_dir / f".{sandbox_id}.lock"):
+            d = self._dir(sandbox_id)
+            image = d / "checkpoint"
+            if not (image / "checkpoint.img").exists():
+                started = time.monotonic()
+                status = self._runtime_status(sandbox_id)
+                if status != "running":
+                    raise SandboxNotRunning(
+                        f"sandbox {sandbox_id} is {status}: there is nothing to checkpoint"
+                    )
+                marker = d / "quiesced"
+                if not marker.exists():  # else an earlier try of this pause quiesced it already
+                    marker.touch()
+                    try:
+                        self._client(self._handle_for(sandbox_id)).quiesce()
+                    except agent_client.AgentError as exc:
+                        marker.unlink(missing_ok=True)
+                        self._relisten(sandbox_id)
+                        raise LauncherError(f"the sandbox's agent could not be quiesced: {exc}") from exc
+                partial = d / "checkpoint.partial"
+                shutil.rmtree(partial, ignore_errors=True)
+                # The sandbox's own process writes the image, and on cgroup v1 the dirty page cache
+                # it makes counts against the sandbox's memory limit with nothing to throttle it:
+                # a sandbox near its limit would be OOM-killed mid-checkpoint. The limit is lifted
+                # for the checkpoint (its processes are frozen by it within milliseconds) and put
+                # back should the sandbox live on.
+                lifted = _lift_memory_limit(sandbox_id)
+                quiesced = time.monotonic()
+                proc = _run(self._runsc("checkpoint", *self._checkpoint_flags(), "--image-path", str(partial),
+                                        sandbox_id), check=False, timeout=600)  # fmt: skip
+                if proc.returncode != 0:
+                    shutil.rmtree(partial, ignore_errors=True)
+                    marker.unlink(missing_ok=True)
+                    if self._runtime_status(sandbox_id) == "running":
+                        _restore_limits(lifted)
+                        self._relisten(sandbox_id)
+                    first = (proc.stderr.strip().splitlines() or ["(no message)"])[0]
+                    raise LauncherError(f"runsc checkpoint failed: {first[:300]}")
+                partial.rename(image)
+                log.info("checkpoint of %s: quiesce %.3f s, runsc checkpoint %.3f s, %d MB saved", sandbox_id,
+                         quiesced - started, time.monotonic() - quiesced, _tree_mb(image))  # fmt: skip
+            # The sandbox has exited. `runsc delete` waits until its process is reaped, which is
+            # up to the host's init (seconds under some): it is done in the background, so the
+            # pause does not wait for it (restore deletes it first should it come sooner).
+            self._release(sandbox_id, delete=False)
+            threading.Thread(target=self._delete_checkpointed, args=(sandbox_id,), daemon=True).start()
+
+    def restore(self, spec: SandboxSpec) -> Handle:
+        d = self._dir(spec.id)
+        image = d / "checkpoint"
+        with file_lock(self.sandboxes_dir / f".{spec.id}.lock"):
+            handle = self._new_handle(spec)
+            if (d / "handle.json").exists() and self._agent_answers(handle):
+                return handle  # a duplicated or retried task: restored already
+            started = released = restored = time.monotonic()
+            try:
+                if self._runtime_status(spec.id) != "running":
+                    if not (image / "checkpoint.img").exists():
+                        raise LauncherError(f"sandbox {spec.id} has no checkpoint to restore")
+                    self._release(spec.id)
+                    self._mount_dirs(d, spec)
+                    released = time.monotonic()
+                    self._start(d, spec.id, "restore", "--detach", "--bundle", str(d / "bundle"),
+                                "--image-path", str(image), spec.id)  # fmt: skip
+                # The bundle is the one it was checkpointed with: restore needs the same spec.
+                restored = time.monotonic()
+                self._relisten_and_wait(spec.id, handle, 15.0)
+            except (LauncherError, agent_client.AgentError) as exc:
+                tail = self._console_tail(d)
+                self._release(spec.id)
+                shutil.rmtree(image, ignore_errors=True)
+                raise LauncherError(f"the sandbox could not be restored: {exc}; console: {tail}") from exc
+            (d / "handle.json").write_text(json.dumps(handle))
+            shutil.rmtree(image, ignore_errors=True)
+            log.info("restore of %s: cleanup %.3f s, runsc restore %.3f s, agent back %.3f s", spec.id,
+                     released - started, restored - released, time.monotonic() - restored)  # fmt: skip
+            return handle
+
+    def _checkpoint_flags(self) -> tuple[str, ...]:
+        # Newer runsc (2024) can skip compressing the saved memory: writing it plainly is several
+        # times faster (flate runs at ~150 MB/s on one core) at the cost of disk. Older ones
+        # always compress.
+        if self._ckpt_flags is None:
+            text = "".join(_run([self.runsc, "checkpoint", "--help"], check=False).__dict__.get(k) or ""
+                           for k in ("stdout", "stderr"))  # fmt: skip
+            self._ckpt_flags = ("--compression=none",) if "-compression" in text else ()
+        return self._ckpt_flags
+
+    def _delete_checkpointed(self, sandbox_id: str) -> None:
+        with file_lock(self.sandboxes_dir / f".{sandbox_id}.lock"):
+            # Only while it is still checkpointed: a restore may have been quicker.
+            if (
+                (self._dir(sandbox_id) / "checkpoint" / "checkpoint.img").exists()
+                and self._has_runtime_state(sandbox_id)
+                and self._runtime_status(sandbox_id) != "running"
+            ):
+                _run(self._runsc("delete", "--force", sandbox_id), check=False)
+
+    def _relisten_and_wait(self, sandbox_id: str, handle: Handle, timeout: float) -> None:
+        # Right after `runsc restore --detach` returns, `runsc kill` may not reach the agent
+        # yet: signal again until it answers (listening twice is harmless).
+        deadline = time.monotonic() + timeout
+        while True:
+            self._relisten(sandbox_id)
+            try:
+                self._client(handle).wait_ready(min(0.5, max(0.05, deadline - time.monotonic())))
+                return
+            except agent_client.AgentUnavailable:
+                if time.monotonic() >= deadline:
+                    raise
+
+    def _relisten(self, sandbox_id: str) -> None:
+        # SIGUSR2 to PID 1, the agent: listen again (see the agent's op_quiesce).
+        _run(self._runsc("kill", sandbox_id, "USR2"), check=False)
+
+    def _start(self, d: Path, sandbox_id: str, *args: str) -> None:
+        """``runsc run|restore --detach``; raises LauncherError with runsc's words."""
+        # The sandbox inherits runsc's stdio and keeps it open for its whole life: give it a
+        # log file, never a pipe we would wait on.
+        log_path = d / "console.log"
+        with open(log_path, "ab") as log:
+            start = log.tell()
+            proc = subprocess.run(
+                self._runsc(*args),
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=log,
+                start_new_session=True,
+                timeout=120,
+            )
+        if proc.returncode != 0:
+            with open(log_path, "rb") as log:
+                log.seek(start)
+                err = log.read().decode(errors="replace").strip()[-800:]
+            raise LauncherError(f"runsc {args[0]} failed: {err}")
 
     def stop(self, handle: Handle, timeout: float = 5.0) -> None:
         sandbox_id = handle["id"]
@@ -277,13 +443,9 @@ class GVisorLauncher(Launcher):
                 deadline = time.monotonic() + 2.0
                 while time.monotonic() < deadline and self._runtime_status(sandbox_id) == "running":
                     time.sleep(0.05)
-                _run(self._runsc("delete", "--force", sandbox_id), check=False)
-            for mountpoint in (d / "rootfs", d / "run"):
-                _unmount(mountpoint)
-            for controller_dir in _cgroup_dirs(sandbox_id):
-                with contextlib.suppress(OSError):
-                    controller_dir.rmdir()
-            (d / "handle.json").unlink(missing_ok=True)
+            self._release(sandbox_id)
+            for saved in ("checkpoint", "checkpoint.partial"):  # a checkpoint that did not hold
+                shutil.rmtree(d / saved, ignore_errors=True)
             if not keep_files:
                 for sub in ("upper", "work"):
                     shutil.rmtree(d / sub, ignore_errors=True)
@@ -298,16 +460,8 @@ class GVisorLauncher(Launcher):
             (self.sandboxes_dir / f".{sandbox_id}.lock").unlink()
 
     def _destroy_locked(self, sandbox_id: str) -> None:
-        d = self._dir(sandbox_id)
-        if self._has_runtime_state(sandbox_id):
-            # --force kills whatever still runs before deleting.
-            _run(self._runsc("delete", "--force", sandbox_id), check=False)
-        for mountpoint in (d / "rootfs", d / "run"):
-            _unmount(mountpoint)
-        for controller_dir in _cgroup_dirs(sandbox_id):
-            with contextlib.suppress(OSError):
-                controller_dir.rmdir()
-        shutil.rmtree(d, ignore_errors=True)
+        self._release(sandbox_id)  # delete --force kills whatever still runs first
+        shutil.rmtree(self._dir(sandbox_id), ignore_errors=True)
 
     # -- inspection -----------------------------------------------------------------------
 
@@ -433,8 +587,9 @@ class GVisorLauncher(Launcher):
             proc = client.open_process(
                 request.argv, env=request.env or None, cwd=request.cwd, tty=request.tty,
                 rows=request.rows, cols=request.cols, stdin=request.stdin, timeout=request.timeout,
+                detachable=True,
             )  # fmt: skip
-        return AgentBackedProcess(proc, lambda: self._lost(handle))
+        return AgentBackedProcess(proc, lambda: self._lost(handle), Path(handle["dir"]))
 
     def read_file(self, handle: Handle, path: str) -> tuple[FileEntry, Iterator[bytes]]:
         with self._agent_call(handle) as client:
@@ -459,21 +614,48 @@ class GVisorLauncher(Launcher):
 class AgentBackedProcess(Process):
     """A :class:`Process` over one open exec connection to the sandbox's agent."""
 
-    def __init__(self, proc: agent_client.AgentProcess, not_running: Callable[[], LauncherError]) -> None:
+    def __init__(
+        self, proc: agent_client.AgentProcess, not_running: Callable[[], LauncherError], sandbox_dir: Path
+    ) -> None:
         self._proc = proc
         self._not_running = not_running
+        self._sandbox_dir = sandbox_dir
+        self._closed = False
         self.pid = proc.pid
 
     def events(self) -> Iterator[tuple[str, bytes | ProcessExit]]:
-        try:
-            for kind, data in self._proc.events():
-                if isinstance(data, agent_client.ExitInfo):
-                    yield "exit", ProcessExit(data.code, data.signal, data.timed_out)
-                    return
-                yield kind, data
-        except agent_client.AgentError as exc:
-            raise self._not_running() from exc
-        raise self._not_running()
+        while True:
+            try:
+                for kind, data in self._proc.events():
+                    if isinstance(data, agent_client.ExitInfo):
+                        yield "exit", ProcessExit(data.code, data.signal, data.timed_out)
+                        return
+                    yield kind, data
+            except agent_client.AgentDetached:
+                self._await_restore()  # paused in checkpoint mode: the command lives on
+                continue
+            except agent_client.AgentError as exc:
+                raise self._not_running() from exc
+            raise self._not_running()
+
+    def _await_restore(self) -> None:
+        """Wait, however long the sandbox stays paused, until its agent listens again, then
+        pick the stream up where it was. Ends when the sandbox is deleted or this is closed."""
+        waited = 0.0
+        while not self._closed:
+            if not self._sandbox_dir.exists():
+                raise SandboxGone(f"the sandbox was deleted while process {self.pid} was detached")
+            try:
+                self._proc.reattach()
+                return
+            except agent_client.AgentFileError as exc:
+                raise LauncherError(f"process {self.pid} did not survive the pause: {exc.message}") from exc
+            except agent_client.AgentError:
+                pass  # not listening yet: still paused, or being restored
+            delay = 0.02 if waited < 30 else 0.5
+            time.sleep(delay)
+            waited += delay
+        raise LauncherError(f"process {self.pid} was closed while detached")
 
     def send_stdin(self, data: bytes) -> None:
         self._proc.send_stdin(data)
@@ -488,6 +670,7 @@ class AgentBackedProcess(Process):
         self._proc.signal(sig)
 
     def close(self) -> None:
+        self._closed = True
         self._proc._shutdown()  # wakes a reader blocked in recv() in another thread
         self._proc.close()
 
@@ -526,6 +709,29 @@ def _cgroup_dirs(sandbox_id: str) -> list[Path]:
     return [
         r / CGROUP_PARENT / sandbox_id for r in _cgroup_roots() if (r / CGROUP_PARENT / sandbox_id).is_dir()
     ]
+
+
+def _tree_mb(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) >> 20
+
+
+def _lift_memory_limit(sandbox_id: str) -> list[tuple[Path, str]]:
+    """Remove the memory limit of the sandbox's cgroup; returns what to write back."""
+    lifted = []
+    for d in _cgroup_dirs(sandbox_id):
+        for name, unlimited in (("memory.limit_in_bytes", "-1"), ("memory.max", "max")):
+            path = d / name
+            with contextlib.suppress(OSError):
+                old = path.read_text().strip()
+                path.write_text(unlimited)
+                lifted.append((path, old))
+    return lifted
+
+
+def _restore_limits(lifted: list[tuple[Path, str]]) -> None:
+    for path, old in lifted:
+        with contextlib.suppress(OSError):
+            path.write_text(old)
 
 
 def _oom_killed(sandbox_id: str) -> bool:

@@ -148,7 +148,7 @@ async def process_start(
     _check_size(rows, cols)
 
     def create() -> Exec:
-        sandbox_mark_active(sandbox.id)
+        sandbox_mark_active(sandbox.id, sandbox.last_activity_at)
         return Exec.objects.create(
             sandbox=sandbox, kind=kind, status=Exec.Status.RUNNING, argv=argv, cwd=cwd or "",
             timeout_s=timeout_s, started_at=timezone.now(),
@@ -196,7 +196,7 @@ async def terminal_open(
     env = {"TERM": "xterm-256color", "COLORTERM": "truecolor", **sandbox.env, **env}
 
     def create() -> Terminal:
-        sandbox_mark_active(sandbox.id)
+        sandbox_mark_active(sandbox.id, sandbox.last_activity_at)
         n = name or f"terminal {sandbox.terminals.count() + 1}"
         return Terminal.objects.create(
             sandbox=sandbox, name=n, argv=argv, cwd=cwd or "", rows=rows, cols=cols,

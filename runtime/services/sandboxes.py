@@ -19,6 +19,7 @@ from django.utils import timezone
 
 from .. import notify
 from ..errors import Conflict, InvalidValue, NotFound
+from ..launchers import launcher_class
 from ..launchers.base import (
     ExecRequest,
     ExecResult,
@@ -109,6 +110,7 @@ def sandbox_create(
     ephemeral: bool = False,
     on_expire: str = "destroy",
     idle_timeout_s: int | None = None,
+    pause_mode: str = "stop",
 ) -> Sandbox:
     """Write a pending sandbox on a node with room (the node of its volumes, if it attaches
     any) and enqueue its provisioning on that node."""
@@ -121,6 +123,7 @@ def sandbox_create(
         raise InvalidValue(
             f"idle_timeout_s must be between 10 and {settings.HANGAR_SANDBOX_MAX_TIMEOUT_S}, got {idle_timeout_s}"
         )
+    _validate_pause_mode(pause_mode, runtime=runtime, ephemeral=ephemeral)
     image_row = image_resolve(image)
     mounts = volume_svc.resolve_mounts(team=team, mounts=volumes or [])
     if not mounts and not ephemeral:
@@ -130,7 +133,7 @@ def sandbox_create(
         claimed = pool_claim(
             team=team, image=image_row.name, runtime=runtime, cpu=cpu, memory_mb=memory_mb,
             claim={"env": env, "metadata": metadata or {}, "timeout_s": timeout_s, "on_expire": on_expire,
-                   "idle_timeout_s": idle_timeout_s,
+                   "idle_timeout_s": idle_timeout_s, "pause_mode": pause_mode,
                    "created_by": user if user is not None and user.is_authenticated else None},
         )  # fmt: skip
         if claimed is not None:
@@ -156,6 +159,7 @@ def sandbox_create(
             ephemeral=ephemeral,
             on_expire=on_expire,
             idle_timeout_s=idle_timeout_s,
+            pause_mode=pause_mode,
             expires_at=now + timedelta(seconds=timeout_s),
         )
         volume_svc.attach(sandbox=sandbox, resolved=mounts)
@@ -250,18 +254,28 @@ def _boot(sandbox_id: str, frm: str) -> None:
         working_dir=info.config.get("working_dir") or "/",
     )
     launcher = launcher_for(sandbox.runtime)
+    resumed = "resumed"
+    handle = None
+    if frm == S.RESUMING and sandbox.paused_mode == PAUSE_MODE_CHECKPOINT:
+        try:
+            handle = launcher.restore(spec)
+            resumed = "resumed from its checkpoint: processes continue"
+        except LauncherError as exc:
+            log.warning("sandbox %s could not be restored: %s", sandbox_id, exc)
+            resumed = f"resumed afresh over its files: the checkpoint could not be restored ({exc})"
     try:
-        handle = launcher.create(spec)
+        if handle is None:
+            handle = launcher.create(spec)
     except LauncherError as exc:
         log.warning("sandbox %s failed to start: %s", sandbox_id, exc)
         transition(sandbox_id, to=S.FAILED, frm=[frm], reason=str(exc))
         return
     now = timezone.now()
-    fields: dict[str, Any] = {"handle": handle, "started_at": now}
+    fields: dict[str, Any] = {"handle": handle, "started_at": now, "paused_mode": ""}
     if frm == S.RESUMING:  # a resumed sandbox gets its time afresh
         fields["expires_at"] = now + timedelta(seconds=sandbox.timeout_s)
     started = transition(sandbox_id, to=S.RUNNING, frm=[frm], fields=fields,
-                         reason="resumed" if frm == S.RESUMING else "")  # fmt: skip
+                         reason=resumed if frm == S.RESUMING else "")  # fmt: skip
     if not started:
         # Deleted while starting: the destroy task may already have run and found nothing.
         launcher.destroy(handle)
@@ -269,30 +283,53 @@ def _boot(sandbox_id: str, frm: str) -> None:
 
 # -- pause and resume -------------------------------------------------------------------------
 
-PAUSE_MODES = ("stop",)
+PAUSE_MODE_STOP, PAUSE_MODE_CHECKPOINT = "stop", "checkpoint"
+PAUSE_MODES = (PAUSE_MODE_STOP, PAUSE_MODE_CHECKPOINT)
+
+
+def _validate_pause_mode(mode: str, *, runtime: str, ephemeral: bool) -> None:
+    if mode not in PAUSE_MODES:
+        raise InvalidValue(f"unknown pause mode {mode!r}; one of: {', '.join(PAUSE_MODES)}")
+    if mode == PAUSE_MODE_CHECKPOINT:
+        if ephemeral:
+            raise InvalidValue("an ephemeral sandbox keeps nothing outside its volumes when paused, "
+                               "so it cannot be checkpointed: pause it with mode stop")  # fmt: skip
+        try:
+            able = launcher_class(runtime).can_checkpoint
+        except LauncherError:
+            able = True  # an unknown runtime is refused with its own message
+        if not able:
+            raise InvalidValue(f"the {runtime} runtime cannot checkpoint; pause it with mode stop")
 
 
 ON_EXPIRE_PAUSE, ON_EXPIRE_DESTROY = "pause", "destroy"
 ACTIVITY_EVERY_S = 5  # last_activity_at is written at most this often per sandbox
 
 
-def sandbox_mark_active(sandbox_id: str) -> None:
-    """Someone used the sandbox (an API call on it, an exec, terminal traffic): it is not idle."""
+def sandbox_mark_active(sandbox_id: str, last: Any = None) -> None:
+    """Someone used the sandbox (an API call on it, an exec, terminal traffic): it is not idle.
+    ``last``: its ``last_activity_at`` as just read, if at hand; recent enough, nothing is
+    written (no write at all on most calls, which matters on SQLite)."""
     now = timezone.now()
+    if last is not None and now - last < timedelta(seconds=ACTIVITY_EVERY_S):
+        return
     Sandbox.objects.filter(id=sandbox_id).filter(
         Q(last_activity_at__isnull=True) | Q(last_activity_at__lt=now - timedelta(seconds=ACTIVITY_EVERY_S))
     ).update(last_activity_at=now)
 
 
-def sandbox_pause(*, sandbox: Sandbox, mode: str = "stop", reason: str = "") -> Sandbox:
-    """Pause a running sandbox. ``stop``: its processes and terminals end and its CPU and memory
-    are freed; its files stay (on volumes, and outside them unless it is ephemeral)."""
-    if mode not in PAUSE_MODES:
-        raise InvalidValue(f"unknown pause mode {mode!r}; one of: {', '.join(PAUSE_MODES)}")
+def sandbox_pause(*, sandbox: Sandbox, mode: str | None = None, reason: str = "") -> Sandbox:
+    """Pause a running sandbox; either way its CPU and memory are freed. ``stop``: its
+    processes and terminals end; its files stay (on volumes, and outside them unless it is
+    ephemeral). ``checkpoint``: gVisor saves the whole sandbox, processes and memory included,
+    and resume continues them. ``mode`` defaults to the sandbox's ``pause_mode``."""
+    mode = mode or sandbox.pause_mode or PAUSE_MODE_STOP
+    _validate_pause_mode(mode, runtime=sandbox.runtime, ephemeral=sandbox.ephemeral)
     if sandbox.status != S.RUNNING:
         raise Conflict(f"sandbox {sandbox.id} is {sandbox.status}; only a running sandbox can be paused",
                        status=sandbox.status)  # fmt: skip
-    if not transition(sandbox.id, to=S.PAUSING, frm=[S.RUNNING], reason=reason or f"pausing (mode {mode})"):
+    if not transition(sandbox.id, to=S.PAUSING, frm=[S.RUNNING], reason=reason or f"pausing (mode {mode})",
+                      fields={"paused_mode": mode}):  # fmt: skip
         raise Conflict(f"sandbox {sandbox.id} changed meanwhile; try again")
     assert sandbox.node is not None
     transaction.on_commit(lambda: _enqueue("suspend", sandbox.id, sandbox.node.queue))
@@ -305,10 +342,25 @@ def sandbox_suspend(*, sandbox_id: str) -> None:
     sandbox = Sandbox.objects.filter(id=sandbox_id).first()
     if sandbox is None or sandbox.status != S.PAUSING:
         return
-    launcher_for(sandbox.runtime).suspend(sandbox_id, keep_files=not sandbox.ephemeral)
+    launcher = launcher_for(sandbox.runtime)
+    fields: dict[str, Any] = {"handle": {}, "stopped_at": timezone.now()}
+    why = ""
+    if sandbox.paused_mode == PAUSE_MODE_CHECKPOINT:
+        try:
+            launcher.checkpoint(sandbox_id)
+        except LauncherError as exc:
+            # runsc stops a sandbox whose checkpoint failed: keep what a stop-mode pause keeps.
+            log.warning("checkpoint of %s failed: %s", sandbox_id, exc)
+            why = f"checkpoint failed ({exc}); "
+            fields["paused_mode"] = PAUSE_MODE_STOP
+        else:
+            transition(sandbox_id, to=S.PAUSED, frm=[S.PAUSING], fields=fields,
+                       reason="paused: checkpointed, processes and memory saved")  # fmt: skip
+            return
+    launcher.suspend(sandbox_id, keep_files=not sandbox.ephemeral)
     kept = "files on its volumes kept" if sandbox.ephemeral else "its files kept"
-    transition(sandbox_id, to=S.PAUSED, frm=[S.PAUSING], fields={"handle": {}, "stopped_at": timezone.now()},
-               reason=f"paused: processes ended, {kept}")  # fmt: skip
+    transition(sandbox_id, to=S.PAUSED, frm=[S.PAUSING], fields=fields,
+               reason=f"paused: {why}processes ended, {kept}")  # fmt: skip
 
 
 def sandbox_resume(*, sandbox: Sandbox) -> Sandbox:
@@ -486,9 +538,10 @@ def node_reconcile(*, node_name: str) -> dict[str, list[str]]:
     from ..models import Node
 
     node = Node.objects.filter(name=node_name).first()
-    report: dict[str, list[str]] = {"failed": [], "destroyed": []}
+    report: dict[str, list[str]] = {"failed": [], "destroyed": [], "volumes_removed": []}
     if node is None:
         return report
+    report["volumes_removed"] = volume_svc.volumes_reconcile()
     grace = timezone.now() - timedelta(seconds=120)
     for runtime in node.runtimes or ["gvisor"]:
         launcher = launcher_for(runtime)
@@ -654,7 +707,7 @@ def sandbox_exec(
 ) -> ExecOutcome:
     """Run a command to completion in a running sandbox; a string runs under ``/bin/sh -c``."""
     _require_running(sandbox)
-    sandbox_mark_active(sandbox.id)
+    sandbox_mark_active(sandbox.id, sandbox.last_activity_at)
     argv, env, cwd = exec_validate(cmd=cmd, env=env, cwd=cwd, timeout_s=timeout_s)
     env = {**sandbox.env, **env}  # a claimed pool member got its env after it started
     # One row per exec, written once it has ended (one write on the hot path, not two).
@@ -700,7 +753,7 @@ def sandbox_exec(
 
 def _sandbox_call(sandbox: Sandbox, fn):
     _require_running(sandbox)
-    sandbox_mark_active(sandbox.id)
+    sandbox_mark_active(sandbox.id, sandbox.last_activity_at)
     try:
         return fn()
     except FileOpError as exc:

@@ -8,6 +8,7 @@ with ENOSPC inside the sandbox and the host is never filled.
 
 from __future__ import annotations
 
+import logging
 import posixpath
 import re
 from dataclasses import dataclass
@@ -22,6 +23,8 @@ from ..launchers.base import Mount
 from ..launchers.volumes import VolumeError
 from ..models import Node, Sandbox, SandboxVolume, Team, Volume
 from ..node import local_node_name, volume_store
+
+log = logging.getLogger(__name__)
 
 NAME_RE = re.compile(r"[a-z0-9][a-z0-9_.-]{0,63}")
 RESERVED_PATHS = ("/proc", "/sys", "/dev", "/.hangar")
@@ -109,6 +112,22 @@ def volume_delete(*, volume: Volume) -> None:
         )
     _on_node(volume, "delete", {})
     volume.delete()
+
+
+def volumes_reconcile() -> list[str]:
+    """Remove this node's volume data that no row owns (a create whose answer was lost, rows
+    removed with their team). A row is always written before its data, so data without one is
+    an orphan."""
+    store = volume_store()
+    on_disk = store.list()
+    known = set(Volume.objects.filter(id__in=on_disk).values_list("id", flat=True))
+    removed = []
+    for volume_id in on_disk:
+        if volume_id not in known:
+            log.warning("removing volume data %s: no volume row owns it", volume_id)
+            store.delete(volume_id)
+            removed.append(volume_id)
+    return removed
 
 
 # -- attaching to sandboxes -----------------------------------------------------------------

@@ -9,6 +9,7 @@ import pytest
 
 from runtime.models import Sandbox
 from runtime.services.nodes import nodes_with_usage
+from tests.api.test_processes_api import ndjson
 from tests.api.test_sandboxes_api import create
 from tests.support import requires_runsc, wait_until
 
@@ -115,3 +116,91 @@ def test_expiry_and_idle_settings_are_validated(api):
     assert r.status_code == 422 and "on_expire" in r.json()["detail"]
     r = api.post("/sandboxes", json={"image": "busybox", "idle_timeout_s": 5})
     assert r.status_code == 422 and "idle_timeout_s must be between 10" in r.json()["detail"]
+
+
+# -- checkpoint mode --------------------------------------------------------------------------
+
+
+def _output(api, sid: str, proc_id: int) -> str:
+    events = ndjson(api, "GET", f"/sandboxes/{sid}/processes/{proc_id}/output", params={"follow": False})
+    return "".join(e["data"] for e in events if e["type"] == "stdout")
+
+
+def test_five_checkpoint_cycles_keep_processes_memory_files_and_output(api, volume):
+    sb = create(api, cpu=1, memory_mb=256, pause_mode="checkpoint",
+                volumes=[{"volume": "keep", "mount_path": "/keep"}])  # fmt: skip
+    sid = sb["id"]
+    assert sb["pause_mode"] == "checkpoint" and sb["paused_mode"] == ""
+    # A counter whose count lives only in its shell's memory, as a background process.
+    counter = api.post(f"/sandboxes/{sid}/exec", json={
+        "cmd": "i=0; while :; do i=$((i+1)); echo $i; echo $i > /root/c.new; mv /root/c.new /root/count; sleep 0.05; done",
+        "background": True}).json()  # fmt: skip
+    wait_until(lambda: _output(api, sid, counter["id"]).count("\n") >= 3, 30, what="the counter to count")
+    for cycle in range(1, 6):
+        assert (
+            run(api, sid, f"echo root-{cycle} >> /root/log && echo vol-{cycle} >> /keep/log")["exit_code"]
+            == 0
+        )
+        before = int(run(api, sid, "cat /root/count")["stdout"])
+
+        r = api.post(f"/sandboxes/{sid}/pause", json={})  # the sandbox's pause_mode: checkpoint
+        assert r.status_code == 200, r.text
+        assert r.json()["status"] == "paused" and r.json()["paused_mode"] == "checkpoint", r.json()
+        node = next(n for n in nodes_with_usage() if n.name == "test-node")
+        assert not node.cpu_used and not node.memory_used  # it holds no CPU or memory
+        assert api.post(f"/sandboxes/{sid}/exec", json={"cmd": "true"}).status_code == 409
+        assert api.get(f"/sandboxes/{sid}/processes/{counter['id']}").json()["status"] == "running"
+
+        r = api.post(f"/sandboxes/{sid}/resume", json={})
+        assert r.status_code == 200 and r.json()["status"] == "running", r.text
+        assert r.json()["paused_mode"] == ""
+        after = int(run(api, sid, "cat /root/count")["stdout"])
+        assert before <= after < before + 60, (before, after)  # counting on from where it was
+        lines = run(api, sid, "cat /root/log; cat /keep/log")["stdout"].split()
+        assert lines == [f"root-{i}" for i in range(1, cycle + 1)] + [f"vol-{i}" for i in range(1, cycle + 1)]
+    # Its output streamed on through every pause, whole: 1, 2, 3, ... with nothing repeated.
+    wait_until(
+        lambda: int(_output(api, sid, counter["id"]).split()[-1]) > after, 30, what="output after resume"
+    )
+    numbers = [int(n) for n in _output(api, sid, counter["id"]).split()]
+    assert numbers == list(range(1, len(numbers) + 1))
+    messages = [e["message"] for e in api.get(f"/sandboxes/{sid}/events").json()]
+    assert sum("paused: checkpointed" in m for m in messages) == 5
+    assert sum("resumed from its checkpoint" in m for m in messages) == 5
+    r = api.post(f"/sandboxes/{sid}/processes/{counter['id']}/signal", json={"signal": "KILL"})
+    assert r.status_code == 202, r.text
+    wait_until(lambda: api.get(f"/sandboxes/{sid}/processes/{counter['id']}").json()["status"] != "running",
+               30, what="the counter to end")  # fmt: skip
+
+
+def test_checkpoint_mode_per_call_and_its_refusals(api):
+    from runtime.node import launcher_for
+
+    sb = create(api)  # pause_mode stop by default; a call may still ask for a checkpoint
+    assert sb["pause_mode"] == "stop"
+    run(api, sb["id"], "echo 41 > /root/n")
+    shell = api.post(f"/sandboxes/{sb['id']}/exec", json={
+        "cmd": "read x; echo got-$x-$(cat /root/n)", "background": True, "stdin_open": True}).json()  # fmt: skip
+    r = api.post(f"/sandboxes/{sb['id']}/pause", json={"mode": "checkpoint"})
+    assert r.json()["paused_mode"] == "checkpoint", r.text
+    assert (launcher_for("gvisor").sandboxes_dir / sb["id"] / "checkpoint").is_dir()
+    assert api.post(f"/sandboxes/{sb['id']}/resume", json={}).json()["status"] == "running"
+    # The process, blocked on its stdin across the pause, takes input and finishes.
+    url = f"/sandboxes/{sb['id']}/processes/{shell['id']}"
+    wait_until(lambda: api.post(f"{url}/stdin", json={"data": "hi\n"}).status_code == 202, 10, what="stdin")
+    wait_until(lambda: api.get(url).json()["status"] == "exited", 30, what="the process to finish")
+    assert _output(api, sb["id"], shell["id"]) == "got-hi-41\n"
+    assert not (launcher_for("gvisor").sandboxes_dir / sb["id"] / "checkpoint").exists()  # disk freed
+
+    # An ephemeral sandbox keeps nothing outside its volumes: it cannot be checkpointed.
+    r = api.post("/sandboxes", json={"image": "busybox", "ephemeral": True, "pause_mode": "checkpoint"})
+    assert r.status_code == 422 and "ephemeral" in r.json()["detail"], r.text
+    eph = create(api, ephemeral=True)
+    r = api.post(f"/sandboxes/{eph['id']}/pause", json={"mode": "checkpoint"})
+    assert r.status_code == 422 and "mode stop" in r.json()["detail"], r.text
+
+    # Deleting a checkpointed sandbox removes its checkpoint with everything else.
+    assert api.post(f"/sandboxes/{sb['id']}/pause", json={"mode": "checkpoint"}).json()["status"] == "paused"
+    assert api.delete(f"/sandboxes/{sb['id']}").status_code == 204
+    wait_until(lambda: api.get(f"/sandboxes/{sb['id']}").json()["status"] == "deleted", 30, what="delete")
+    assert not os.path.exists(launcher_for("gvisor").sandboxes_dir / sb["id"])

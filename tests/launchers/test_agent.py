@@ -25,6 +25,7 @@ from runtime.launchers.agent import build
 from runtime.launchers.agent.build import AgentBuildError, agent_binary
 from runtime.launchers.agent_client import (
     AgentClient,
+    AgentError,
     AgentFileError,
     AgentUnavailable,
     ExitInfo,
@@ -781,3 +782,93 @@ def test_sigterm_stops_the_agent_and_its_commands(agent_bin: Path, tmp_path: Pat
         proc.close()
     finally:
         stop_agent(own)
+
+
+# -- quiesce, detach and re-attach (checkpoint support) ------------------------------------
+
+
+def test_quiesce_detaches_live_commands_ends_the_rest_and_reattach_continues_them(
+    agent_bin: Path, tmp_path: Path
+) -> None:
+    from runtime.launchers.agent_client import AgentDetached
+
+    running = start_agent(agent_bin, tmp_path)
+    try:
+        c = running.client
+        counter = c.open_process(["sh", "-c", "i=0; while :; do i=$((i+1)); echo $i; sleep 0.05; done"],
+                                 detachable=True)  # fmt: skip
+        shell = c.open_process(["sh"], tty=True, detachable=True)
+        plain = c.open_process(["sleep", "100"])  # not detachable: a checkpoint ends it
+        events = counter.events()
+        first = int(next(events)[1].split()[0])
+
+        c.quiesce()
+        # Nothing listens now, and every connection let go: the live ones with an 'H' frame.
+        assert not running.socket.exists()
+        with pytest.raises(AgentDetached):
+            for _ in events:
+                pass
+        with pytest.raises(AgentError):
+            list(plain.events())
+        assert gone(plain.pid)
+        assert not gone(counter.pid, within=0.3) and not gone(shell.pid, within=0.1)
+        with pytest.raises(AgentUnavailable):
+            counter.reattach()
+
+        running.proc.send_signal(signal.SIGUSR2)  # what the launcher sends after a restore
+        c.wait_ready(5)
+        counter.reattach()
+        numbers: list[int] = []
+        for _kind, data in counter.events():
+            numbers += [int(n) for n in data.split()]
+            if len(numbers) > 5:
+                break
+        # The stream goes on from where it was: nothing lost, nothing repeated.
+        assert numbers[0] > first and numbers == list(range(numbers[0], numbers[0] + len(numbers)))
+
+        shell.reattach()
+        shell.send_stdin(b"echo re$((1+1))attached\n")
+        seen = b""
+        for _kind, data in shell.events():
+            seen += data
+            if b"re2attached" in seen:
+                break
+        counter.signal(signal.SIGKILL)
+        exit_info = [d for _k, d in counter.events()][-1]
+        assert exit_info.signal == signal.SIGKILL
+
+        with pytest.raises(AgentFileError) as err:  # nobody detached under that pid
+            c.attach(counter.pid)
+        assert err.value.errno_name == "ESRCH"
+        shell.close()
+    finally:
+        stop_agent(running)
+
+
+def test_a_command_that_exits_while_detached_reports_its_exit_after_reattach(
+    agent_bin: Path, tmp_path: Path
+) -> None:
+    running = start_agent(agent_bin, tmp_path)
+    try:
+        c = running.client
+        proc = c.open_process(["sh", "-c", "read x; echo got $x; exit 7"], detachable=True)
+        c.quiesce()
+        with pytest.raises(AgentError):
+            list(proc.events())
+        running.proc.send_signal(signal.SIGUSR2)
+        c.wait_ready(5)
+        proc.reattach()
+        proc.send_stdin(b"it\n")
+        out = list(proc.events())
+        assert out[0] == ("stdout", b"got it\n") and out[-1][1].code == 7
+        assert c.ping()  # and the agent serves as before
+    finally:
+        stop_agent(running)
+
+
+def test_a_live_command_may_be_silent_longer_than_the_request_timeout(agent: RunningAgent) -> None:
+    # The client's io_timeout bounds requests; a command's stream has only its own timeout.
+    c = AgentClient(agent.socket, io_timeout=0.3)
+    proc = c.open_process(["sh", "-c", "sleep 1; echo done"])
+    out = list(proc.events())
+    assert out[0] == ("stdout", b"done\n") and out[-1][1].code == 0

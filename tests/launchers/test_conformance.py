@@ -424,3 +424,82 @@ def test_live_process_without_a_tty_streams_and_takes_signals(launcher, sandbox)
         assert list(events)[-1] == ("exit", ProcessExit(143, 15, False))
     finally:
         proc.close()
+
+
+# -- checkpoint and restore -------------------------------------------------------------------
+
+
+def _collect(process, sink: list, done: threading.Event) -> None:
+    try:
+        for kind, data in process.events():
+            sink.append((kind, data))
+    except Exception as exc:  # noqa: BLE001 - the test looks at what ended the stream
+        sink.append(("error", exc))
+    done.set()
+
+
+def test_checkpoint_and_restore_keep_processes_memory_and_streams_five_times(launcher, busybox):
+    if not launcher.can_checkpoint:
+        pytest.skip(f"the {launcher.name} runtime cannot checkpoint")
+    spec = SandboxSpec(id="t" + uuid.uuid4().hex[:12], rootfs=busybox.rootfs, memory_mb=256)
+    handle = launcher.create(spec)
+    try:
+        # A counter that keeps its count only in memory, streamed to us, and a file it writes.
+        counter = launcher.open_process(handle, ProcessRequest(
+            argv=["sh", "-c", "i=0; while :; do i=$((i+1)); echo $i; echo $i > /c.new; mv /c.new /count; sleep 0.05; done"]))  # fmt: skip
+        out: list = []
+        done = threading.Event()
+        threading.Thread(target=_collect, args=(counter, out, done), daemon=True).start()
+        for cycle in range(5):
+            time.sleep(0.3)
+            run(launcher, handle, f"echo {cycle} >> /root/cycles")
+            before = int(run(launcher, handle, "cat /count").stdout)
+            launcher.checkpoint(spec.id)
+            assert launcher.state(handle).status != "running"  # nothing runs: CPU and memory freed
+            frozen = int((launcher.sandboxes_dir / spec.id / "upper" / "count").read_text())
+            time.sleep(0.3)
+            assert int((launcher.sandboxes_dir / spec.id / "upper" / "count").read_text()) == frozen
+            launcher.checkpoint(spec.id)  # a repeated task is harmless
+            handle = launcher.restore(spec)
+            after = int(run(launcher, handle, "cat /count").stdout)
+            # It went on counting from where it was: not restarted from 1, not lost.
+            assert before <= frozen <= after < frozen + 40, (before, frozen, after)
+            assert run(launcher, handle, "cat /root/cycles").stdout.split() == [
+                b"%d" % i for i in range(cycle + 1)
+            ]
+        wait_until_true(lambda: sum(1 for k, _ in out if k == "stdout") and
+                        int(b"".join(d for k, d in out if k == "stdout").split()[-1]) > after, 10)  # fmt: skip
+        numbers = [int(n) for n in b"".join(d for k, d in out if k == "stdout").split()]
+        assert numbers == list(range(1, len(numbers) + 1))  # the stream survived, whole, five times
+        counter.send_signal(9)
+        assert done.wait(10) and isinstance(out[-1][1], ProcessExit) and out[-1][1].signal == 9
+    finally:
+        launcher.destroy_id(spec.id)
+    assert_nothing_left(launcher, spec.id)
+
+
+def test_a_checkpointed_sandbox_can_be_destroyed_and_restore_needs_a_checkpoint(launcher, busybox):
+    if not launcher.can_checkpoint:
+        pytest.skip(f"the {launcher.name} runtime cannot checkpoint")
+    spec = SandboxSpec(id="t" + uuid.uuid4().hex[:12], rootfs=busybox.rootfs, memory_mb=256)
+    handle = launcher.create(spec)
+    process = launcher.open_process(handle, ProcessRequest(argv=["sleep", "600"]))
+    out: list = []
+    done = threading.Event()
+    threading.Thread(target=_collect, args=(process, out, done), daemon=True).start()
+    launcher.checkpoint(spec.id)
+    assert (launcher.sandboxes_dir / spec.id / "checkpoint").is_dir()
+    launcher.destroy_id(spec.id)
+    assert_nothing_left(launcher, spec.id)
+    assert done.wait(10) and out[-1][0] == "error"  # the detached stream ends: the sandbox is gone
+    with pytest.raises(Exception, match="no checkpoint"):
+        launcher.restore(spec)
+    launcher.destroy_id(spec.id)
+    assert_nothing_left(launcher, spec.id)
+
+
+def wait_until_true(check: Callable[[], object], timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)

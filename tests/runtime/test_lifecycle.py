@@ -4,6 +4,7 @@ runsc and a real Celery worker."""
 from __future__ import annotations
 
 import subprocess
+import threading
 import time
 from datetime import timedelta
 
@@ -161,7 +162,11 @@ def test_reconcile_fails_rows_whose_sandbox_is_gone(celery_worker, local_node, t
 @requires_runsc
 def test_running_sandboxes_survive_reconciliation(celery_worker, local_node, team):
     sb = _create(team)
-    assert svc.node_reconcile(node_name=local_node.name) == {"failed": [], "destroyed": []}
+    assert svc.node_reconcile(node_name=local_node.name) == {
+        "failed": [],
+        "destroyed": [],
+        "volumes_removed": [],
+    }
     sb.refresh_from_db()
     assert sb.status == S.RUNNING
 
@@ -268,3 +273,91 @@ def test_activity_is_recorded_at_most_every_few_seconds(transactional_db, team):
     Sandbox.objects.filter(id=sb.id).update(last_activity_at=first - timedelta(seconds=10))
     svc.sandbox_mark_active(sb.id)
     assert Sandbox.objects.get(id=sb.id).last_activity_at > first - timedelta(seconds=10)
+
+
+def test_activity_is_not_written_when_the_loaded_row_says_it_is_recent(transactional_db, team):
+    sb = Sandbox.objects.create(team=team, image="busybox", image_digest="sha256:x", status="running")
+    recent = timezone.now() - timedelta(seconds=1)
+    svc.sandbox_mark_active(sb.id, recent)  # the caller's row: active a second ago
+    assert Sandbox.objects.get(id=sb.id).last_activity_at is None  # nothing written
+    svc.sandbox_mark_active(sb.id, timezone.now() - timedelta(seconds=30))
+    assert Sandbox.objects.get(id=sb.id).last_activity_at is not None
+
+
+# -- robustness: tasks cut short by a dead worker ------------------------------------------
+
+
+def test_reconcile_removes_volume_data_no_row_owns(celery_worker, local_node, team):
+    from runtime.node import volume_store
+    from runtime.services import volumes as volume_svc
+
+    kept = volume_svc.volume_create(team=team, name="kept", size_mb=16)
+    store = volume_store()
+    store.create("volorphan00000", 16)  # a create whose row went away (or never committed)
+    store.mount("volorphan00000")
+    report = svc.node_reconcile(node_name=local_node.name)
+    assert report["volumes_removed"] == ["volorphan00000"]
+    assert store.list() == [kept.id] and not store.mountpoint("volorphan00000").exists()
+    with open("/proc/self/mountinfo") as f:
+        assert "volorphan00000" not in f.read()
+
+
+@requires_runsc
+@pytest.mark.parametrize("died", ["after the quiesce", "after the checkpoint", "before anything"])
+def test_a_checkpoint_pause_cut_short_by_a_dead_worker_is_finished_by_the_resent_task(
+    celery_worker, local_node, team, died
+):
+    from runtime.launchers.agent_client import AgentClient
+    from runtime.launchers.base import ExecRequest, ProcessRequest
+
+    sb = _create(team, pause_mode="checkpoint")
+    launcher = launcher_for("gvisor")
+    launcher.exec(sb.handle, ExecRequest(argv=["sh", "-c", "echo 1 > /root/n"]))
+    # A live process, as a background process or terminal is (its stream is re-attached later).
+    process = launcher.open_process(sb.handle, ProcessRequest(argv=["sleep", "600"]))
+    ended: list = []
+    threading.Thread(target=lambda: ended.extend(process.events()), daemon=True).start()
+    # The pause was accepted (the row says pausing) and its worker died part-way through.
+    assert lifecycle.transition(sb.id, to=S.PAUSING, frm=[S.RUNNING], fields={"paused_mode": "checkpoint"})
+    if died == "after the quiesce":  # what the launcher leaves: its marker, a quiesced agent
+        (launcher.sandboxes_dir / sb.id / "quiesced").touch()
+        AgentClient(sb.handle["socket"]).quiesce()
+    elif died == "after the checkpoint":
+        launcher.checkpoint(sb.id)
+    svc.sandbox_suspend(sandbox_id=sb.id)  # what the reaper sends again
+    sb.refresh_from_db()
+    assert sb.status == S.PAUSED and sb.paused_mode == "checkpoint", sb.status_reason
+    svc.sandbox_suspend(sandbox_id=sb.id)  # and once more: nothing changes
+    svc.sandbox_resume(sandbox=sb)
+    sb = svc.sandbox_wait(sandbox=sb, timeout=60)
+    assert sb.status == S.RUNNING
+    assert "resumed from its checkpoint" in sb.events.order_by("-id").values_list("message", flat=True)[0]
+    ps = launcher.exec(sb.handle, ExecRequest(argv=["sh", "-c", "cat /root/n; ps -o args"])).stdout.decode()
+    assert ps.startswith("1\n") and "sleep 600" in ps  # the process from before the pause runs on
+    process.send_signal(9)  # through its re-attached stream
+    wait_until(lambda: bool(ended), 10, what="the exit")
+    assert ended[-1][1].signal == 9
+    svc.sandbox_restart(sandbox_id=sb.id)  # a duplicated resume task is harmless too
+    sb.refresh_from_db()
+    assert sb.status == S.RUNNING
+
+
+@requires_runsc
+def test_a_checkpoint_that_fails_falls_back_to_a_stop_pause_and_says_why(celery_worker, local_node, team):
+    from runtime.launchers.base import ExecRequest
+
+    sb = _create(team, pause_mode="checkpoint")
+    launcher = launcher_for("gvisor")
+    launcher.exec(sb.handle, ExecRequest(argv=["sh", "-c", "echo kept > /root/f"]))
+    # The sandbox died under the pause: there is nothing left to checkpoint.
+    subprocess.run([launcher.runsc, "--root", str(launcher.root), "kill", "--all", sb.id, "KILL"], check=True)
+    assert lifecycle.transition(sb.id, to=S.PAUSING, frm=[S.RUNNING], fields={"paused_mode": "checkpoint"})
+    svc.sandbox_suspend(sandbox_id=sb.id)
+    sb.refresh_from_db()
+    assert sb.status == S.PAUSED and sb.paused_mode == "stop"
+    assert "checkpoint failed" in sb.status_reason and "its files kept" in sb.status_reason
+    svc.sandbox_resume(sandbox=sb)
+    sb = svc.sandbox_wait(sandbox=sb, timeout=60)
+    assert launcher.exec(sb.handle, ExecRequest(argv=["cat", "/root/f"])).stdout == b"kept\n"
+    assert not (launcher.sandboxes_dir / sb.id / "checkpoint").exists()
+    assert not (launcher.sandboxes_dir / sb.id / "checkpoint.partial").exists()

@@ -30,6 +30,7 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <limits.h>
+#include <stddef.h>
 #include <poll.h>
 #include <sched.h>
 #include <signal.h>
@@ -71,6 +72,10 @@
 #define LINGER_MS 500
 /* SIGTERM to PID 1: how long everything gets to exit before SIGKILL. */
 #define SHUTDOWN_GRACE_MS 2000
+/* Quiesce (before a checkpoint): how long open connections get to close or detach. */
+#define QUIESCE_MS 3000
+/* A detached command nobody re-attached to is given up this long after it exited. */
+#define DETACHED_EXITED_MS (3600 * 1000)
 
 extern char **environ;
 
@@ -80,6 +85,18 @@ static pid_t g_agent_pid;
 static int g_is_init;
 static int g_sigpipe[2] = {-1, -1}; /* self-pipe: signal handlers wake poll() through it */
 static volatile sig_atomic_t g_got_term;
+/* SIGUSR1: main: close every connection to the host (a checkpoint is coming); handler: detach
+ * from the client. SIGUSR2, main only: listen again (after a restore). See op_quiesce. */
+static volatile sig_atomic_t g_quiesce_req, g_relisten_req, g_detach_req;
+static int g_quiescing; /* main: not listening, for a checkpoint */
+static int g_close_now; /* handler: quiescing, so no lingering on close (see linger_close) */
+/* Shared memory (MAP_SHARED, made before any fork) for the quiesce: how many handlers are
+ * detached, and the main process's verdict for op_quiesce. */
+enum { QUIESCE_NONE, QUIESCE_DONE, QUIESCE_FAILED };
+static struct shared {
+    int detached;
+    int quiesced;
+} *g_shared;
 
 /* Handler only: what its SIGTERM handler must clean up (see on_handler_term). */
 static volatile sig_atomic_t g_cmd_pgid;
@@ -200,6 +217,14 @@ static void on_signal(int sig)
             on_handler_term();
         g_got_term = 1;
     }
+    if (sig == SIGUSR1) {
+        if (g_is_handler)
+            g_detach_req = 1;
+        else
+            g_quiesce_req = 1;
+    }
+    if (sig == SIGUSR2 && !g_is_handler)
+        g_relisten_req = 1;
     if (g_sigpipe[1] >= 0) {
         char c = (char)sig;
         ssize_t r = write(g_sigpipe[1], &c, 1); /* a full pipe already means "wake up" */
@@ -243,6 +268,8 @@ static void block_signals(sigset_t *old)
     sigaddset(&set, SIGCHLD);
     sigaddset(&set, SIGTERM);
     sigaddset(&set, SIGINT);
+    sigaddset(&set, SIGUSR1);
+    sigaddset(&set, SIGUSR2);
     sigprocmask(SIG_BLOCK, &set, old);
 }
 
@@ -1220,6 +1247,8 @@ static int spawn_child(void *arg)
      * blocked or ignored SIGPIPE would survive exec and break `cmd | head`. */
     set_handler(SIGTERM, SIG_DFL);
     set_handler(SIGINT, SIG_DFL);
+    set_handler(SIGUSR1, SIG_DFL);
+    set_handler(SIGUSR2, SIG_DFL);
     sigset_t none;
     sigemptyset(&none);
     sigprocmask(SIG_SETMASK, &none, NULL);
@@ -1361,6 +1390,9 @@ struct exec_io {
     int exited, timed_out;
     int emulate_isig; /* the kernel's ptys ignore ISIG: the agent raises ^C's SIGINT itself */
     int isig_fd;      /* ... through the isig helper in the command's session; -1 if none */
+    int detachable;   /* the client asked to survive a checkpoint (see exec_detach) */
+    int detach_fd;    /* while detached (sock is -1): where a re-attach arrives; else -1 */
+    int64_t detached_exit_at; /* detached and exited: when it was first seen so */
 };
 
 static void kill_group(pid_t pid)
@@ -1581,6 +1613,140 @@ static int reap(pid_t pid, int *status)
     }
 }
 
+/* ---- exec: surviving a checkpoint ------------------------------------------------------- *
+ *
+ * A connection to the host cannot be checkpointed (gVisor cannot save a host socket). Before a
+ * checkpoint the host asks for a quiesce (op_quiesce): every handler streaming a command that
+ * the client opened as detachable sends 'H' and closes its connection, and keeps the command
+ * (and its pty) while listening on an abstract socket inside the sandbox, which a checkpoint
+ * saves. After the restore the client connects again and sends 'A' with the command's pid: the
+ * handler that takes it passes the new connection to the detached one (SCM_RIGHTS), which
+ * answers 'S' and streams on. Output waits in the command's pipe meanwhile. */
+
+static socklen_t detached_addr(struct sockaddr_un *a, pid_t pid)
+{
+    memset(a, 0, sizeof *a);
+    a->sun_family = AF_UNIX;
+    int n = snprintf(a->sun_path + 1, sizeof a->sun_path - 1, "hangar-agent-detached-%d", (int)pid);
+    return (socklen_t)(offsetof(struct sockaddr_un, sun_path) + 1 + (size_t)n);
+}
+
+/* 0: detached (io->sock is -1, io->detach_fd listens); -1: could not (the caller gives up). */
+static int exec_detach(struct exec_io *io)
+{
+    int64_t deadline = now_ms() + 2000;
+    while (io->tx_len) { /* the frame in flight goes first, so the stream stays whole */
+        if (exec_tx_flush(io) < 0 || (io->tx_len && wait_fd(io->sock, POLLOUT, deadline) != 1))
+            return -1;
+    }
+    struct sockaddr_un a;
+    socklen_t alen = detached_addr(&a, io->pid);
+    int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
+    if (fd < 0)
+        return -1;
+    if (bind(fd, (struct sockaddr *)&a, alen) < 0 || listen(fd, 4) < 0) {
+        logmsg("detach: %s", strerror(errno));
+        close(fd);
+        return -1;
+    }
+    char frame[HEADER_LEN];
+    put_header(frame, 'H', 0);
+    if (write_all(io->sock, frame, sizeof frame) < 0) {
+        close(fd);
+        return -1;
+    }
+    close(io->sock);
+    io->sock = -1;
+    io->detach_fd = fd;
+    io->hdr_got = 0; /* a client frame cut short is dropped: the next one starts afresh */
+    io->rx_got = 0;
+    __atomic_add_fetch(&g_shared->detached, 1, __ATOMIC_SEQ_CST);
+    return 0;
+}
+
+/* A re-attach arrived on detach_fd: take over its connection. 1: attached, 0: not yet. */
+static int exec_reattach(struct exec_io *io)
+{
+    int conn = accept4(io->detach_fd, NULL, NULL, SOCK_CLOEXEC);
+    if (conn < 0)
+        return 0;
+    char byte;
+    char cbuf[CMSG_SPACE(sizeof(int))];
+    struct iovec iov = {.iov_base = &byte, .iov_len = 1};
+    struct msghdr m = {.msg_iov = &iov, .msg_iovlen = 1, .msg_control = cbuf, .msg_controllen = sizeof cbuf};
+    struct timeval tv = {2, 0};
+    setsockopt(conn, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+    ssize_t n = recvmsg(conn, &m, MSG_CMSG_CLOEXEC);
+    struct cmsghdr *c = n == 1 ? CMSG_FIRSTHDR(&m) : NULL;
+    int fd = -1;
+    if (c && c->cmsg_level == SOL_SOCKET && c->cmsg_type == SCM_RIGHTS && c->cmsg_len == CMSG_LEN(sizeof(int)))
+        memcpy(&fd, CMSG_DATA(c), sizeof fd);
+    if (fd < 0) {
+        close(conn);
+        return 0;
+    }
+    set_nonblock_fresh(fd);
+    g_out.fd = fd;
+    g_out.len = 0;
+    g_out.failed = 0;
+    struct fields f = {0};
+    field_addf(&f, "pid", "%d", (int)io->pid);
+    reply_fields('S', &f);
+    out_flush();
+    ssize_t w = write(conn, "", 1); /* the passing handler may go now */
+    (void)w;
+    close(conn);
+    if (g_out.failed) {
+        close(fd);
+        return 0; /* that client is gone already: stay detached for the next one */
+    }
+    close(io->detach_fd);
+    io->detach_fd = -1;
+    io->sock = fd;
+    io->detached_exit_at = 0;
+    __atomic_sub_fetch(&g_shared->detached, 1, __ATOMIC_SEQ_CST);
+    return 1;
+}
+
+/* 'A' (in a fresh handler): hand this connection to the detached handler of command `pid`.
+ * 0: handed over (the caller must neither reply nor shut the socket down); -1: replied. */
+static int op_attach(const struct request *r, int sock)
+{
+    unsigned long long pid;
+    if (parse_uint(req_get(r, "pid"), 10, INT_MAX, &pid) < 0 || pid == 0) {
+        reply_error(EINVAL, "attach needs a pid");
+        return -1;
+    }
+    struct sockaddr_un a;
+    socklen_t alen = detached_addr(&a, (pid_t)pid);
+    int conn = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    if (conn < 0 || connect(conn, (struct sockaddr *)&a, alen) < 0) {
+        if (conn >= 0)
+            close(conn);
+        reply_error(ESRCH, "no detached command with pid %llu (it did not survive, or is attached)", pid);
+        return -1;
+    }
+    char byte = 0;
+    char cbuf[CMSG_SPACE(sizeof(int))];
+    memset(cbuf, 0, sizeof cbuf);
+    struct iovec iov = {.iov_base = &byte, .iov_len = 1};
+    struct msghdr m = {.msg_iov = &iov, .msg_iovlen = 1, .msg_control = cbuf, .msg_controllen = sizeof cbuf};
+    struct cmsghdr *c = CMSG_FIRSTHDR(&m);
+    c->cmsg_level = SOL_SOCKET;
+    c->cmsg_type = SCM_RIGHTS;
+    c->cmsg_len = CMSG_LEN(sizeof(int));
+    memcpy(CMSG_DATA(c), &sock, sizeof sock);
+    struct timeval tv = {2, 0};
+    setsockopt(conn, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+    if (sendmsg(conn, &m, MSG_NOSIGNAL) != 1 || read(conn, &byte, 1) != 1) {
+        close(conn);
+        reply_error(EIO, "could not hand the connection to command %llu", pid);
+        return -1;
+    }
+    close(conn);
+    return 0;
+}
+
 /* The command runs; stream until it is done. Returns -1 if the client went away (the
  * command has then been killed and reaped). */
 static int exec_stream(struct exec_io *io, int64_t timeout_ms)
@@ -1595,7 +1761,13 @@ static int exec_stream(struct exec_io *io, int64_t timeout_ms)
             kill_group(io->pid);
             io->timed_out = 1;
         }
-        if (io->exited && ((io->out_fd < 0 && io->err_fd < 0) || now >= drain_deadline))
+        if (io->sock < 0 && io->exited) {
+            if (!io->detached_exit_at)
+                io->detached_exit_at = now;
+            else if (now - io->detached_exit_at > DETACHED_EXITED_MS)
+                goto gone; /* nobody came back for it */
+        }
+        if (io->sock >= 0 && io->exited && ((io->out_fd < 0 && io->err_fd < 0) || now >= drain_deadline))
             break;
 
         struct pollfd p[P_MAX];
@@ -1609,17 +1781,20 @@ static int exec_stream(struct exec_io *io, int64_t timeout_ms)
         p[np++] = (struct pollfd){.fd = (fd_), .events = (ev)};                                \
     } while (0)
         WATCH(P_SIG, g_sigpipe[0], POLLIN);
-        WATCH(P_SOCK, io->sock, (short)((rx_paused(io) ? 0 : POLLIN) | (io->tx_len ? POLLOUT : 0)));
-        if (!io->tx_len && io->out_fd >= 0)
+        if (io->sock < 0) /* detached: output waits in its pipe until someone re-attaches */
+            WATCH(P_SOCK, io->detach_fd, POLLIN);
+        else
+            WATCH(P_SOCK, io->sock, (short)((rx_paused(io) ? 0 : POLLIN) | (io->tx_len ? POLLOUT : 0)));
+        if (io->sock >= 0 && !io->tx_len && io->out_fd >= 0)
             WATCH(P_OUT, io->out_fd, POLLIN);
-        if (!io->tx_len && io->err_fd >= 0)
+        if (io->sock >= 0 && !io->tx_len && io->err_fd >= 0)
             WATCH(P_ERR, io->err_fd, POLLIN);
         if (io->in_fd >= 0 && io->in_off < io->in_len)
             WATCH(P_IN, io->in_fd, POLLOUT);
 #undef WATCH
         /* The 1 s cap is a safety net should a SIGCHLD ever go missing. */
         int timeout = 1000;
-        if (io->exited)
+        if (io->exited && io->sock >= 0)
             timeout = ms_until(drain_deadline, now, 1000);
         else if (deadline >= 0)
             timeout = ms_until(deadline, now, 1000);
@@ -1646,7 +1821,22 @@ static int exec_stream(struct exec_io *io, int64_t timeout_ms)
             }
         }
 
+        if (g_detach_req && io->sock >= 0) {
+            g_detach_req = 0;
+            if (!io->detachable || exec_detach(io) < 0) {
+                g_close_now = 1;
+                goto gone; /* a checkpoint is coming and this stream cannot survive it */
+            }
+            continue;
+        }
         short rev = p[idx[P_SOCK]].revents;
+        if (io->sock < 0) {
+            if (rev && exec_reattach(io) && io->exited)
+                drain_deadline = now_ms() + DRAIN_MS;
+            if (idx[P_IN] >= 0 && p[idx[P_IN]].revents)
+                exec_write_stdin(io);
+            continue;
+        }
         if (rev & (POLLERR | POLLHUP | POLLNVAL))
             goto gone; /* the client hung up: nobody wants this command any more */
         if ((rev & POLLOUT) && exec_tx_flush(io) < 0)
@@ -1695,6 +1885,11 @@ static int exec_stream(struct exec_io *io, int64_t timeout_ms)
     return 0;
 
 gone:
+    if (io->detach_fd >= 0) {
+        close(io->detach_fd);
+        io->detach_fd = -1;
+        __atomic_sub_fetch(&g_shared->detached, 1, __ATOMIC_SEQ_CST);
+    }
     kill_group(io->pid);
     exec_cleanup(io);
     int status;
@@ -1709,7 +1904,7 @@ struct exec_request {
     char **sh_argv;
     const char *cwd;
     unsigned long long timeout_ms, rows, cols;
-    int tty, want_stdin;
+    int tty, want_stdin, detachable;
 };
 
 /* Validates and unpacks an 'E' request; replies F and returns -1 if it is malformed. */
@@ -1744,6 +1939,7 @@ static int parse_exec(const struct request *r, struct exec_request *x)
     }
     x->tty = req_flag(r, "tty");
     x->want_stdin = req_flag(r, "stdin");
+    x->detachable = req_flag(r, "detach");
     x->cwd = req_get(r, "cwd");
     if (!x->cwd || !*x->cwd)
         x->cwd = "/";
@@ -1861,7 +2057,7 @@ static void op_exec(const struct request *r)
     struct exec_io io;
     memset(&io, 0, sizeof io);
     io.sock = g_out.fd;
-    io.out_fd = io.err_fd = io.in_fd = io.master = io.isig_fd = -1;
+    io.out_fd = io.err_fd = io.in_fd = io.master = io.isig_fd = io.detach_fd = -1;
 
     if (parse_exec(r, &x) < 0)
         return;
@@ -1895,7 +2091,10 @@ static void op_exec(const struct request *r)
     if (io.in_fd >= 0)
         set_nonblock_fresh(io.in_fd);
 
-    if (exec_stream(&io, (int64_t)x.timeout_ms) < 0)
+    io.detachable = x.detachable;
+    int streamed = exec_stream(&io, (int64_t)x.timeout_ms);
+    g_out.fd = io.sock; /* a re-attach may have brought a new connection (or none: -1) */
+    if (streamed < 0)
         return;
 
     int status = 0;
@@ -1958,6 +2157,32 @@ static void handler_prepare(void)
         g_devnull = open("/dev/null", O_RDONLY | O_CLOEXEC);
 }
 
+/* 'Q': make the sandbox checkpointable. The main process stops listening and every handler
+ * closes its connection to the host (detachable commands detach, see exec_detach; the rest
+ * end), then this one replies and closes too. The host sends SIGUSR2 to PID 1 (runsc kill)
+ * after the restore, or should the checkpoint not happen, to listen again. */
+static void op_quiesce(void)
+{
+    if (!g_shared) {
+        reply_error(ENOMEM, "quiesce is unavailable");
+        return;
+    }
+    __atomic_store_n(&g_shared->quiesced, QUIESCE_NONE, __ATOMIC_SEQ_CST);
+    if (kill(g_agent_pid, SIGUSR1) < 0) {
+        reply_errno(errno, "quiesce");
+        return;
+    }
+    int64_t deadline = now_ms() + QUIESCE_MS + 2000;
+    int state;
+    while ((state = __atomic_load_n(&g_shared->quiesced, __ATOMIC_SEQ_CST)) == QUIESCE_NONE &&
+           now_ms() < deadline)
+        poll(NULL, 0, 2);
+    if (state == QUIESCE_DONE)
+        reply_ok();
+    else
+        reply_error(EBUSY, "connections to the agent stayed open; the sandbox cannot be checkpointed now");
+}
+
 /* Serves the one request of a connection; sock must be non-blocking (see read_full). */
 static void serve(int sock)
 {
@@ -2002,13 +2227,25 @@ static void serve(int sock)
         case 'S':
             op_stat(&req);
             break;
+        case 'Q':
+            op_quiesce();
+            out_flush();
+            close(sock); /* at once: the host checkpoints as soon as it sees this close */
+            return;
+        case 'A':
+            if (op_attach(&req, sock) == 0)
+                return; /* the connection is the detached handler's now: just drop our copy */
+            break;
         default:
             reply_error(EINVAL, "unknown request type 0x%02x", (unsigned char)req.type);
             break;
         }
     }
     out_flush();
-    linger_close(sock);
+    if (g_close_now)
+        close(g_out.fd);
+    else
+        linger_close(g_out.fd); /* exec: the connection it ended on */
 }
 
 /* ---- the main process ------------------------------------------------------------------ */
@@ -2107,7 +2344,7 @@ static int reap_children(void)
                     continue;
                 /* Still IDLE: it never got a connection (it marks BUSY before anything that
                  * could fail). Exited, it can no longer change the slot. */
-                if (slot_state(slot) == SLOT_IDLE && !g_got_term) {
+                if (slot_state(slot) == SLOT_IDLE && !g_got_term && !g_quiescing) {
                     logmsg("spare handler %d ended while waiting (status 0x%x)", (int)pid, (unsigned)status);
                     g_spare_retry_at = now_ms() + SPARE_RETRY_MS;
                 }
@@ -2325,6 +2562,24 @@ static int open_listener(const char *path)
     return fd;
 }
 
+/* SIGUSR1 (from op_quiesce): stop listening, and have every handler let go of its host
+ * connection. Returns the listening fd, now -1. */
+static int quiesce_start(int listen_fd, const char *socket_path)
+{
+    if (listen_fd >= 0) {
+        close(listen_fd);
+        unlink(socket_path); /* connecting now fails at once rather than queueing */
+    }
+    g_quiescing = 1;
+    for (size_t i = 0; i < g_nhandlers; i++)
+        kill(g_handlers[i], SIGUSR1);
+    /* Idle spares hold the listening socket too: they go (a busy one ignores SIGTERM). */
+    for (int slot = 0; slot < SPARES; slot++)
+        if (g_spares[slot] > 0 && slot_state(slot) == SLOT_IDLE)
+            kill(g_spares[slot], SIGTERM);
+    return -1;
+}
+
 /* SIGTERM: stop taking connections, end everything, exit 0. */
 static void shutdown_agent(int listen_fd, const char *socket_path)
 {
@@ -2408,7 +2663,8 @@ int main(int argc, char **argv)
         return 1;
     }
     g_board = mmap(NULL, sizeof *g_board, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
-    if (g_board == MAP_FAILED) {
+    g_shared = mmap(NULL, sizeof *g_shared, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
+    if (g_board == MAP_FAILED || g_shared == MAP_FAILED) {
         logmsg("mmap: %s", strerror(errno));
         return 1;
     }
@@ -2416,6 +2672,8 @@ int main(int argc, char **argv)
     set_handler(SIGCHLD, on_signal);
     set_handler(SIGTERM, on_signal);
     set_handler(SIGINT, on_signal);
+    set_handler(SIGUSR1, on_signal);
+    set_handler(SIGUSR2, on_signal);
 
     int listen_fd = open_listener(socket_path);
     if (listen_fd < 0)
@@ -2427,9 +2685,44 @@ int main(int argc, char **argv)
     }
 
     int refill = 1; /* see SPARES: when to fork replacements */
+    int64_t quiesce_deadline = -1; /* quiescing (see op_quiesce) until done or then */
     while (!g_got_term) {
-        int idle = idle_spares();
-        if (refill || idle == 0) {
+        if (g_quiesce_req) {
+            g_quiesce_req = 0;
+            listen_fd = quiesce_start(listen_fd, socket_path);
+            quiesce_deadline = now_ms() + QUIESCE_MS;
+        }
+        if (quiesce_deadline >= 0) {
+            reap_children();
+            /* Every handler left is detached, save the one that asked. */
+            if ((int)g_nhandlers - __atomic_load_n(&g_shared->detached, __ATOMIC_SEQ_CST) <= 1) {
+                __atomic_store_n(&g_shared->quiesced, QUIESCE_DONE, __ATOMIC_SEQ_CST);
+                quiesce_deadline = -1;
+            } else if (now_ms() >= quiesce_deadline) {
+                char open_pids[256] = "";
+                size_t used = 0;
+                for (size_t i = 0; i < g_nhandlers && used < sizeof open_pids - 16; i++)
+                    used += (size_t)snprintf(open_pids + used, sizeof open_pids - used, " %d", (int)g_handlers[i]);
+                logmsg("quiesce: connections stayed open (handlers:%s; %d detached); listening again",
+                       open_pids, __atomic_load_n(&g_shared->detached, __ATOMIC_SEQ_CST));
+                __atomic_store_n(&g_shared->quiesced, QUIESCE_FAILED, __ATOMIC_SEQ_CST);
+                quiesce_deadline = -1;
+                g_relisten_req = 1;
+            }
+        }
+        if (g_relisten_req && quiesce_deadline < 0 && listen_fd < 0) {
+            listen_fd = open_listener(socket_path);
+            if (listen_fd >= 0) {
+                g_relisten_req = 0;
+                g_quiescing = 0;
+                __atomic_store_n(&g_shared->quiesced, QUIESCE_NONE, __ATOMIC_SEQ_CST);
+                refill = 1;
+            }
+        } else if (g_relisten_req && listen_fd >= 0) {
+            g_relisten_req = 0;
+        }
+        int idle = listen_fd < 0 ? SPARES : idle_spares();
+        if (listen_fd >= 0 && (refill || idle == 0)) {
             refill = top_up_spares(listen_fd) < 0;
             idle = idle_spares();
         }
@@ -2444,6 +2737,8 @@ int main(int argc, char **argv)
         int timeout = 1000;
         if (refill && g_spare_retry_at)
             timeout = ms_until(g_spare_retry_at, now_ms(), 1000);
+        if (quiesce_deadline >= 0 || (g_relisten_req && listen_fd < 0))
+            timeout = 5;
         int n = poll(p, 3, timeout);
         if (n < 0 && errno != EINTR) {
             logmsg("poll: %s", strerror(errno));
@@ -2463,7 +2758,7 @@ int main(int argc, char **argv)
             reap_children();
             refill = 1;
         }
-        if (n > 0 && (p[2].revents & POLLIN))
+        if (n > 0 && listen_fd >= 0 && (p[2].revents & POLLIN))
             accept_all(listen_fd);
     }
     shutdown_agent(listen_fd, socket_path);
