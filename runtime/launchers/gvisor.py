@@ -297,13 +297,7 @@ class GVisorLauncher(Launcher):
                     )
                 marker = d / "quiesced"
                 if not marker.exists():  # else an earlier try of this pause quiesced it already
-                    marker.touch()
-                    try:
-                        self._client(self._handle_for(sandbox_id)).quiesce()
-                    except agent_client.AgentError as exc:
-                        marker.unlink(missing_ok=True)
-                        self._relisten(sandbox_id)
-                        raise LauncherError(f"the sandbox's agent could not be quiesced: {exc}") from exc
+                    self._quiesce(sandbox_id, marker)
                 partial = d / "checkpoint.partial"
                 shutil.rmtree(partial, ignore_errors=True)
                 # The sandbox's own process writes the image, and on cgroup v1 the dirty page cache
@@ -362,6 +356,26 @@ class GVisorLauncher(Launcher):
             log.info("restore of %s: cleanup %.3f s, runsc restore %.3f s, agent back %.3f s", spec.id,
                      released - started, restored - released, time.monotonic() - restored)  # fmt: skip
             return handle
+
+    def _quiesce(self, sandbox_id: str, marker: Path) -> None:
+        """Quiesce the agent (see checkpoint); a connection that will not close in time (one
+        being opened right then, say) is worth another try or two before giving up."""
+        handle = self._handle_for(sandbox_id)
+        for attempt in range(3):
+            marker.touch()
+            try:
+                self._client(handle).quiesce()
+                return
+            except agent_client.AgentError as exc:
+                marker.unlink(missing_ok=True)
+                log.warning("quiesce of %s failed (try %d): %s; agent: %s", sandbox_id, attempt + 1, exc,
+                            self._console_tail(self._dir(sandbox_id)).splitlines()[-1:])  # fmt: skip
+                try:
+                    self._relisten_and_wait(sandbox_id, handle, 5.0)
+                except agent_client.AgentError:
+                    pass
+                if attempt == 2:
+                    raise LauncherError(f"the sandbox's agent could not be quiesced: {exc}") from exc
 
     def _checkpoint_flags(self) -> tuple[str, ...]:
         # Newer runsc (2024) can skip compressing the saved memory: writing it plainly is several

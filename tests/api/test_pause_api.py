@@ -145,7 +145,9 @@ def test_five_checkpoint_cycles_keep_processes_memory_files_and_output(api, volu
 
         r = api.post(f"/sandboxes/{sid}/pause", json={})  # the sandbox's pause_mode: checkpoint
         assert r.status_code == 200, r.text
-        assert r.json()["status"] == "paused" and r.json()["paused_mode"] == "checkpoint", r.json()
+        assert r.json()["status"] == "paused" and r.json()["paused_mode"] == "checkpoint", r.json()[
+            "status_reason"
+        ]
         node = next(n for n in nodes_with_usage() if n.name == "test-node")
         assert not node.cpu_used and not node.memory_used  # it holds no CPU or memory
         assert api.post(f"/sandboxes/{sid}/exec", json={"cmd": "true"}).status_code == 409

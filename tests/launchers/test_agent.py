@@ -736,8 +736,8 @@ def test_relative_paths_are_einval(client: AgentClient) -> None:
 
 
 def test_unknown_request_is_einval(agent: RunningAgent) -> None:
-    assert raw_request(agent, encode_frame("Q", b""))[0] == b"F"
-    kind, fields = raw_request(agent, encode_frame("Q", b""))
+    assert raw_request(agent, encode_frame("J", b""))[0] == b"F"
+    kind, fields = raw_request(agent, encode_frame("J", b""))
     assert (kind, fields["errno"]) == (b"F", "EINVAL")
 
 

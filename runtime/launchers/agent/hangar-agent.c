@@ -2689,6 +2689,7 @@ int main(int argc, char **argv)
     while (!g_got_term) {
         if (g_quiesce_req) {
             g_quiesce_req = 0;
+            g_relisten_req = 0; /* one asked for before this quiesce is moot */
             listen_fd = quiesce_start(listen_fd, socket_path);
             quiesce_deadline = now_ms() + QUIESCE_MS;
         }
