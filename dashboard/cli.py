@@ -254,12 +254,53 @@ def cmd_token_create(args: argparse.Namespace) -> int:
         return 2
     try:
         team = team_for_user(user=user, team_name=args.team)
-        issued = token_create(user=user, team=team, name=args.name or "cli")
+        issued = token_create(user=user, team=team, name=args.name or "cli", role=args.role,
+                              scopes=args.scope or None, expires_in_s=args.expires_in)  # fmt: skip
     except ServiceError as exc:
         print(f"hangar: {exc.message}", file=sys.stderr)
         return 2
-    print(f"token for {user.get_username()} in team {team.name} (shown once, stored hashed):")
+    print(
+        f"token for {user.get_username()} in team {team.name}, role {issued.token.role} "
+        "(shown once, stored hashed):"
+    )
     print(issued.raw)
+    return 0
+
+
+def cmd_user_create(args: argparse.Namespace) -> int:
+    _setup_django()
+    _migrate()
+    from runtime.errors import ServiceError
+    from runtime.services.auth import user_create
+
+    try:
+        user, password = user_create(username=args.name, password=args.password, staff=args.staff)
+    except ServiceError as exc:
+        print(f"hangar: {exc.message}", file=sys.stderr)
+        return 2
+    kind = "site administrator" if args.staff else "user"
+    print(f"{kind} {user.get_username()} created" + ("" if args.password else f"; password: {password}"))
+    return 0
+
+
+def cmd_team_create(args: argparse.Namespace) -> int:
+    _setup_django()
+    _migrate()
+    from django.contrib.auth import get_user_model
+
+    from runtime.errors import ServiceError
+    from runtime.services.auth import team_create
+
+    owner = get_user_model().objects.filter(username=args.owner).first()
+    if owner is None:
+        print(f"hangar: no user named {args.owner!r} (create one: hangar user create NAME)", file=sys.stderr)
+        return 2
+    try:
+        team = team_create(name=args.name, owner=owner)
+    except ServiceError as exc:
+        print(f"hangar: {exc.message}", file=sys.stderr)
+        return 2
+    print(f"team {team.name} created, owned by {owner.get_username()}")
     return 0
 
 
@@ -340,7 +381,26 @@ def build_parser() -> argparse.ArgumentParser:
     tc.add_argument("--user", required=True)
     tc.add_argument("--team")
     tc.add_argument("--name", default="")
+    tc.add_argument("--role", choices=["viewer", "member", "admin", "owner"],
+                    help="at most the user's role in the team (default: that role)")  # fmt: skip
+    tc.add_argument("--scope", action="append", help="limit it to a scope, e.g. sandboxes:read (repeatable)")
+    tc.add_argument("--expires-in", type=int, metavar="SECONDS", help="stop working this long from now")
     tc.set_defaults(fn=cmd_token_create)
+
+    user = sub.add_parser("user", help="users")
+    usub = user.add_subparsers(dest="user_cmd", required=True)
+    uc = usub.add_parser("create", help="create a user (prints a generated password unless --password)")
+    uc.add_argument("name")
+    uc.add_argument("--password")
+    uc.add_argument("--staff", action="store_true", help="a site administrator (manages every team)")
+    uc.set_defaults(fn=cmd_user_create)
+
+    team = sub.add_parser("team", help="teams")
+    teamsub = team.add_subparsers(dest="team_cmd", required=True)
+    tmc = teamsub.add_parser("create", help="create a team owned by a user")
+    tmc.add_argument("name")
+    tmc.add_argument("--owner", required=True)
+    tmc.set_defaults(fn=cmd_team_create)
 
     image = sub.add_parser("image", help="images on this node")
     isub = image.add_subparsers(dest="image_cmd", required=True)

@@ -36,6 +36,7 @@ from runtime.errors import ServiceError
 from runtime.models import Exec, ImageJob, Membership, Sandbox, Team
 from runtime.services import processes as proc_svc
 from runtime.services import sandboxes as svc
+from runtime.services.auth import role_at_least, token_allows
 
 from .live import hub
 from .teams import session_team
@@ -56,16 +57,19 @@ def _identity(scope: dict[str, Any]) -> tuple[Any, Team, bool] | None:
     A team's viewers may watch terminals and commands but not type into them or start any."""
     token = scope.get("api_token")
     if token is not None:
-        user, team = token.user, token.team
-    elif scope.get("token_presented"):
+        # A token's own role and scopes bound it here as on the REST API.
+        if not token_allows(token, "sandboxes:read"):
+            return None
+        may_change = role_at_least(token.effective_role, "member") and token_allows(token, "sandboxes:write")
+        return token.user, token.team, may_change
+    if scope.get("token_presented"):
         return None  # a bad token is not rescued by a cookie
-    else:
-        user = scope.get("user")
-        if user is None or not user.is_authenticated or not same_origin(scope):
-            return None
-        team = session_team(user=user, session=scope.get("session"))
-        if team is None:
-            return None
+    user = scope.get("user")
+    if user is None or not user.is_authenticated or not same_origin(scope):
+        return None
+    team = session_team(user=user, session=scope.get("session"))
+    if team is None:
+        return None
     role = Membership.objects.filter(user=user, team=team).values_list("role", flat=True).first()
     return user, team, role is not None and role != Membership.Role.VIEWER
 

@@ -68,6 +68,10 @@ class ApiToken(models.Model):
     last_used_at = models.DateTimeField(null=True, blank=True)
     expires_at = models.DateTimeField(null=True, blank=True)
     revoked_at = models.DateTimeField(null=True, blank=True)
+    # Issued with this role (never above its user's; what it may do is the lower of this and the
+    # user's role in the team now); blank: whatever the user's role is. Scopes: none means all.
+    role = models.CharField(max_length=16, blank=True)
+    scopes = models.JSONField(default=list, blank=True)
 
 
 class Node(models.Model):

@@ -47,6 +47,8 @@ from .pools import router as pools_router  # noqa: E402
 from .processes import router as processes_router  # noqa: E402
 from .sandboxes import router as sandboxes_router  # noqa: E402
 from .system import router as system_router  # noqa: E402
+from .teams import router as teams_router  # noqa: E402
+from .tokens import router as tokens_router  # noqa: E402
 from .volumes import router as volumes_router  # noqa: E402
 
 api.add_router("/sandboxes", sandboxes_router)
@@ -54,4 +56,6 @@ api.add_router("/sandboxes", processes_router)
 api.add_router("/images", images_router)
 api.add_router("/volumes", volumes_router)
 api.add_router("/pools", pools_router)
+api.add_router("/tokens", tokens_router)
+api.add_router("/teams", teams_router)
 api.add_router("", system_router)

@@ -7,9 +7,16 @@ from ninja.security import HttpBearer
 
 from runtime.services.auth import token_authenticate
 
+from .permissions import check
+
 
 class TokenAuth(HttpBearer):
-    """``Authorization: Bearer hgr_…``; ``request.auth`` becomes the ApiToken (user and team)."""
+    """``Authorization: Bearer hgr_…``; ``request.auth`` becomes the ApiToken (user and team).
+    Then the endpoint's rule (``permissions.RULES``) decides: a 403 says which role or scope
+    it needs."""
 
     def authenticate(self, request: HttpRequest, token: str) -> Any:
-        return token_authenticate(token)
+        found = token_authenticate(token)
+        if found is not None:
+            check(request, found)
+        return found

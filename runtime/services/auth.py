@@ -1,4 +1,10 @@
-"""Users, teams and API tokens (roles and scopes grow with the teams issue)."""
+"""Users, teams, roles and API tokens.
+
+Roles, lowest first: ``viewer`` (sees, changes nothing), ``member`` (creates and uses
+sandboxes), ``admin`` (manages members, tokens, secrets and quotas), ``owner`` (also deletes the
+team). A token carries a role no higher than its user's and optionally a list of scopes; what
+it may do is the lower of that role and the user's role in the team now, within its scopes
+(``dashboard/api/permissions.py`` maps every endpoint to a scope and a least role)."""
 
 from __future__ import annotations
 
@@ -9,13 +15,49 @@ from datetime import timedelta
 
 from django.contrib.auth import get_user_model
 from django.contrib.auth.models import AbstractBaseUser
-from django.db import transaction
+from django.db import IntegrityError, transaction
+from django.db.models import OuterRef, QuerySet, Subquery
 from django.utils import timezone
 
-from ..errors import BadRequest, NotFound
+from ..errors import BadRequest, Conflict, Forbidden, InvalidValue, NotFound
 from ..models import ApiToken, Membership, Team
 
 TOKEN_PREFIX = "hgr_"
+ROLES = ("viewer", "member", "admin", "owner")
+RESOURCES = ("sandboxes", "volumes", "pools", "images", "tokens", "teams", "system", "harnesses")
+SCOPES = (
+    tuple(f"{r}:{a}" for r in RESOURCES for a in ("read", "write"))
+    + tuple(f"{r}:*" for r in RESOURCES)
+    + ("admin",)
+)
+
+
+def role_at_least(role: str, least: str) -> bool:
+    return role in ROLES and ROLES.index(role) >= ROLES.index(least)
+
+
+def lower_role(a: str, b: str) -> str:
+    return a if ROLES.index(a) <= ROLES.index(b) else b
+
+
+def token_allows(token: ApiToken, scope: str) -> bool:
+    """Whether ``scope`` (``sandboxes:write``…) is within the token's scopes. No scopes: all.
+    ``sandboxes:*`` covers read and write; ``admin`` covers everything; write implies read."""
+    scopes = token.scopes or []
+    if not scopes or "admin" in scopes:
+        return True
+    resource, _, action = scope.partition(":")
+    return (
+        scope in scopes or f"{resource}:*" in scopes or (action == "read" and f"{resource}:write" in scopes)
+    )
+
+
+def validate_scopes(scopes: list[str] | None) -> list[str]:
+    scopes = sorted(set(scopes or []))
+    unknown = [s for s in scopes if s not in SCOPES]
+    if unknown:
+        raise InvalidValue(f"unknown scope(s) {', '.join(map(repr, unknown))}; known: {', '.join(SCOPES)}")
+    return scopes
 
 
 def _hash(raw: str) -> str:
@@ -29,37 +71,81 @@ class IssuedToken:
 
 
 def token_create(
-    *, user: AbstractBaseUser, team: Team, name: str = "", expires_in_s: int | None = None
+    *,
+    user: AbstractBaseUser,
+    team: Team,
+    name: str = "",
+    expires_in_s: int | None = None,
+    role: str | None = None,
+    scopes: list[str] | None = None,
 ) -> IssuedToken:
-    """Issue a token; the raw value is returned once and only its hash is stored."""
-    if not Membership.objects.filter(user=user, team=team).exists():
+    """Issue a token; the raw value is returned once and only its hash is stored. ``role``
+    (default: the user's role in the team) may not be higher than the user's."""
+    held = Membership.objects.filter(user=user, team=team).values_list("role", flat=True).first()
+    if held is None:
         raise BadRequest(f"user {user.get_username()} is not a member of team {team.name}")
+    role = role or held
+    if role not in ROLES:
+        raise InvalidValue(f"unknown role {role!r}; one of: {', '.join(ROLES)}")
+    if not role_at_least(held, role):
+        raise Forbidden(f"a token's role cannot be higher than its user's: {user.get_username()} is {held} "
+                        f"in team {team.name}, asked for {role}")  # fmt: skip
+    if expires_in_s is not None and expires_in_s <= 0:
+        raise InvalidValue(f"expires_in_s must be positive, got {expires_in_s}")
     raw = TOKEN_PREFIX + secrets.token_urlsafe(32)
     token = ApiToken.objects.create(
         user=user,
         team=team,
-        name=name,
+        name=name[:100],
         prefix=raw[:12],
         token_hash=_hash(raw),
+        role=role,
+        scopes=validate_scopes(scopes),
         expires_at=timezone.now() + timedelta(seconds=expires_in_s) if expires_in_s else None,
     )
     return IssuedToken(token=token, raw=raw)
+
+
+def tokens_visible(*, caller: ApiToken) -> QuerySet[ApiToken]:
+    """The caller's own tokens in its team; an admin sees every token of the team."""
+    tokens = ApiToken.objects.filter(team=caller.team).select_related("user").order_by("-created_at")
+    if role_at_least(caller.effective_role, "admin"):
+        return tokens
+    return tokens.filter(user=caller.user)
+
+
+def token_revoke(*, caller: ApiToken, token_id: int) -> ApiToken:
+    """Revoke a token of the caller's (an admin: any of the team's). Idempotent."""
+    token = tokens_visible(caller=caller).filter(id=token_id).first()
+    if token is None:
+        raise NotFound(f"no token {token_id} that you can see in team {caller.team.name}")
+    if token.revoked_at is None:
+        token.revoked_at = timezone.now()
+        ApiToken.objects.filter(id=token.id, revoked_at__isnull=True).update(revoked_at=token.revoked_at)
+    return token
 
 
 def token_authenticate(raw: str) -> ApiToken | None:
     """The live token for ``raw``, or None; records last use at most once a minute."""
     if not raw.startswith(TOKEN_PREFIX):
         return None
+    held = Membership.objects.filter(user=OuterRef("user_id"), team=OuterRef("team_id")).values("role")[:1]
     try:
-        # get(), not first(): no ORDER BY to build on every authenticated request.
-        token = ApiToken.objects.select_related("user", "team").get(token_hash=_hash(raw))
+        # get(), not first(): no ORDER BY to build on every authenticated request. The user's
+        # role in the team now comes in the same query.
+        token = (
+            ApiToken.objects.select_related("user", "team")
+            .annotate(member_role=Subquery(held))
+            .get(token_hash=_hash(raw))
+        )
     except ApiToken.DoesNotExist:
         return None
     now = timezone.now()
     if token.revoked_at is not None or (token.expires_at and token.expires_at <= now):
         return None
-    if not token.user.is_active:
+    if not token.user.is_active or token.member_role is None:  # left the team: the token is dead
         return None
+    token.effective_role = lower_role(token.role or token.member_role, token.member_role)
     if token.last_used_at is None or now - token.last_used_at > timedelta(seconds=60):
         ApiToken.objects.filter(id=token.id).update(last_used_at=now)
     return token
@@ -92,3 +178,124 @@ def bootstrap_admin(
         user = User.objects.create_superuser(username=username, email="", password=password)
     Membership.objects.get_or_create(user=user, team=team, defaults={"role": Membership.Role.OWNER})
     return user, team, password
+
+
+# -- users and teams (the CLI's, and the site administrator's) --------------------------------
+
+USERNAME_RE = r"^[A-Za-z0-9_.@+-]{1,150}$"
+
+
+def user_create(
+    *, username: str, password: str | None = None, staff: bool = False
+) -> tuple[AbstractBaseUser, str]:
+    """A user; returns it with its password (generated when not given)."""
+    import re
+
+    if not re.fullmatch(USERNAME_RE, username or ""):
+        raise InvalidValue(f"invalid user name {username!r}: 1-150 of letters, digits and _ . @ + -")
+    User = get_user_model()
+    if User.objects.filter(username=username).exists():
+        raise Conflict(f"a user named {username!r} exists already")
+    password = password or secrets.token_urlsafe(12)
+    user = User.objects.create_user(username=username, password=password, is_staff=staff, is_superuser=staff)
+    return user, password
+
+
+def team_create(*, name: str, owner: AbstractBaseUser) -> Team:
+    name = (name or "").strip()
+    if not 1 <= len(name) <= 100:
+        raise InvalidValue("a team name is 1 to 100 characters")
+    try:
+        with transaction.atomic():
+            team = Team.objects.create(name=name)
+            Membership.objects.create(user=owner, team=team, role=Membership.Role.OWNER)
+    except IntegrityError:
+        raise Conflict(f"a team named {name!r} exists already") from None
+    return team
+
+
+# -- members --------------------------------------------------------------------------------
+
+
+def teams_visible(*, user: AbstractBaseUser) -> QuerySet[Team]:
+    """The teams a user belongs to; a site administrator's: every team."""
+    if getattr(user, "is_staff", False):
+        return Team.objects.order_by("name")
+    return Team.objects.filter(memberships__user=user).order_by("name")
+
+
+def team_for_caller(*, caller: ApiToken, team_id: int) -> Team:
+    """The team ``team_id`` if the caller's token is for it (staff: any); else 404."""
+    if team_id == caller.team_id or (caller.user.is_staff and Team.objects.filter(id=team_id).exists()):
+        return Team.objects.get(id=team_id)
+    raise NotFound(f"no team {team_id} that this token can see (it is for team {caller.team.name})")
+
+
+def _caller_role(caller: ApiToken, team: Team) -> str:
+    if team.id == caller.team_id:
+        return caller.effective_role
+    return "owner" if caller.user.is_staff else "viewer"
+
+
+def _check_role_value(role: str) -> None:
+    if role not in ROLES:
+        raise InvalidValue(f"unknown role {role!r}; one of: {', '.join(ROLES)}")
+
+
+def _owners(team: Team) -> int:
+    return Membership.objects.filter(team=team, role=Membership.Role.OWNER).count()
+
+
+def member_add(*, caller: ApiToken, team: Team, username: str, role: str) -> Membership:
+    """Add a user to the team; an admin may give up to admin, only an owner may make owners."""
+    _check_role_value(role)
+    mine = _caller_role(caller, team)
+    if not role_at_least(mine, "admin"):
+        raise Forbidden(f"only admins and owners manage members; you are {mine}")
+    if not role_at_least(mine, role) or (role == "owner" and mine != "owner"):
+        raise Forbidden(f"you are {mine} in team {team.name}: you cannot make someone {role}")
+    user = get_user_model().objects.filter(username=username).first()
+    if user is None:
+        raise NotFound(f"no user named {username!r}")
+    try:
+        with transaction.atomic():
+            return Membership.objects.create(user=user, team=team, role=role)
+    except IntegrityError:
+        raise Conflict(f"{username} is already in team {team.name}") from None
+
+
+@transaction.atomic
+def member_set_role(*, caller: ApiToken, team: Team, username: str, role: str) -> Membership:
+    _check_role_value(role)
+    mine = _caller_role(caller, team)
+    m = Membership.objects.select_for_update().filter(team=team, user__username=username).first()
+    if m is None:
+        raise NotFound(f"{username} is not in team {team.name}")
+    if not role_at_least(mine, "admin"):
+        raise Forbidden(f"only admins and owners change roles; you are {mine}")
+    if mine != "owner" and (m.role == "owner" or role == "owner"):
+        raise Forbidden("only an owner can make an owner or change an owner's role")
+    if m.role == "owner" and role != "owner" and _owners(team) == 1:
+        raise Conflict(f"{username} is the last owner of team {team.name}: make someone else owner first")
+    m.role = role
+    m.save(update_fields=["role"])
+    m.user  # noqa: B018 - loaded here, where the database may be used, for the answer
+    return m
+
+
+@transaction.atomic
+def member_remove(*, caller: ApiToken, team: Team, username: str) -> None:
+    """Remove a member (admins; owners for owners); anyone may leave. The last owner stays."""
+    mine = _caller_role(caller, team)
+    m = Membership.objects.select_for_update().filter(team=team, user__username=username).first()
+    if m is None:
+        raise NotFound(f"{username} is not in team {team.name}")
+    leaving = m.user_id == caller.user_id and team.id == caller.team_id
+    if not leaving:
+        if not role_at_least(mine, "admin"):
+            raise Forbidden(f"only admins and owners remove members; you are {mine}")
+        if m.role == "owner" and mine != "owner":
+            raise Forbidden("only an owner can remove an owner")
+    if m.role == "owner" and _owners(team) == 1:
+        raise Conflict(f"{username} is the last owner of team {team.name}: make someone else owner first")
+    m.delete()

@@ -1,0 +1,122 @@
+"""Who may call which API endpoint: one rule per (method, path), checked for every request.
+
+A rule names the scope a token needs (``sandboxes:read``…; a token without scopes has all) and
+the least team role that may call it (``viewer`` < ``member`` < ``admin`` < ``owner``); the
+caller's role is the lower of their role in the team and the role their token was issued
+with. Site staff may call ``staff`` endpoints (images are shared by every team). An endpoint
+with no rule is refused, and ``tests/api/test_authorization.py`` fails for it: adding an
+endpoint means adding its rule here.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from runtime.errors import Forbidden
+from runtime.services.auth import ROLES, role_at_least, token_allows
+
+
+@dataclass(frozen=True)
+class Rule:
+    scope: str
+    role: str = "viewer"
+    staff: bool = False  # site staff only, whatever the team role
+    public: bool = False  # no token needed (the endpoint says auth=None)
+
+
+def _read(resource: str) -> Rule:
+    return Rule(f"{resource}:read", "viewer")
+
+
+def _write(resource: str, role: str = "member") -> Rule:
+    return Rule(f"{resource}:write", role)
+
+
+SB = "/sandboxes/{sandbox_id}"
+RULES: dict[tuple[str, str], Rule] = {
+    ("POST", "/sandboxes"): _write("sandboxes"),
+    ("GET", "/sandboxes"): _read("sandboxes"),
+    ("GET", SB): _read("sandboxes"),
+    ("DELETE", SB): _write("sandboxes"),
+    ("POST", f"{SB}/exec"): _write("sandboxes"),
+    ("POST", f"{SB}/keepalive"): _write("sandboxes"),
+    ("POST", f"{SB}/pause"): _write("sandboxes"),
+    ("POST", f"{SB}/resume"): _write("sandboxes"),
+    ("POST", f"{SB}/stop"): _write("sandboxes"),
+    ("PUT", f"{SB}/files"): _write("sandboxes"),
+    ("GET", f"{SB}/files"): _read("sandboxes"),
+    ("GET", f"{SB}/files/list"): _read("sandboxes"),
+    ("GET", f"{SB}/stats"): _read("sandboxes"),
+    ("GET", f"{SB}/events"): _read("sandboxes"),
+    ("GET", f"{SB}/processes"): _read("sandboxes"),
+    ("GET", f"{SB}/processes/{{process_id}}"): _read("sandboxes"),
+    ("GET", f"{SB}/processes/{{process_id}}/output"): _read("sandboxes"),
+    ("POST", f"{SB}/processes/{{process_id}}/stdin"): _write("sandboxes"),
+    ("POST", f"{SB}/processes/{{process_id}}/signal"): _write("sandboxes"),
+    ("POST", f"{SB}/terminals"): _write("sandboxes"),
+    ("GET", f"{SB}/terminals"): _read("sandboxes"),
+    ("DELETE", f"{SB}/terminals/{{terminal_id}}"): _write("sandboxes"),
+    ("GET", "/images"): _read("images"),
+    ("POST", "/images/build"): Rule("images:write", "member", staff=True),
+    ("POST", "/images/pull"): Rule("images:write", "member", staff=True),
+    ("GET", "/images/jobs"): _read("images"),
+    ("GET", "/images/jobs/{job_id}"): _read("images"),
+    ("POST", "/volumes"): _write("volumes"),
+    ("GET", "/volumes"): _read("volumes"),
+    ("GET", "/volumes/{volume}"): _read("volumes"),
+    ("DELETE", "/volumes/{volume}"): _write("volumes"),
+    ("POST", "/pools"): _write("pools"),
+    ("GET", "/pools"): _read("pools"),
+    ("GET", "/pools/{pool_id}"): _read("pools"),
+    ("PATCH", "/pools/{pool_id}"): _write("pools"),
+    ("DELETE", "/pools/{pool_id}"): _write("pools"),
+    ("GET", "/tokens"): _read("tokens"),
+    ("POST", "/tokens"): _write("tokens", "viewer"),  # a token of one's own, at most one's role
+    ("DELETE", "/tokens/{token_id}"): _write("tokens", "viewer"),  # one's own; admins: any
+    ("GET", "/health"): Rule("system:read", public=True),
+    ("GET", "/teams"): _read("teams"),
+    ("POST", "/teams"): Rule("teams:write", "viewer", staff=True),
+    ("GET", "/teams/{team_id}/members"): _read("teams"),
+    # Admins manage members; anyone may leave (the service tells them apart).
+    ("POST", "/teams/{team_id}/members"): _write("teams", "admin"),
+    ("PATCH", "/teams/{team_id}/members/{username}"): _write("teams", "admin"),
+    ("DELETE", "/teams/{team_id}/members/{username}"): _write("teams", "viewer"),
+}
+
+_CONVERTER = re.compile(r"<(?:\w+:)?(\w+)>")
+
+
+def route_key(request: Any) -> tuple[str, str] | None:
+    """``("POST", "/sandboxes/{sandbox_id}/exec")`` for a request to this API."""
+    match = getattr(request, "resolver_match", None)
+    if match is None or not match.route:
+        return None
+    route = _CONVERTER.sub(r"{\1}", match.route)
+    prefix = "api/v1"
+    if not route.startswith(prefix):
+        return None
+    return request.method, route[len(prefix) :] or "/"
+
+
+def check(request: Any, token: Any) -> None:
+    """Raise :class:`Forbidden` unless ``token`` may make this request."""
+    key = route_key(request)
+    rule = RULES.get(key) if key else None
+    if rule is None:
+        raise Forbidden(f"{key[0] if key else request.method} {key[1] if key else request.path} has no "
+                        "permission rule; refusing")  # fmt: skip
+    if not token_allows(token, rule.scope):
+        raise Forbidden(f"this token lacks the scope {rule.scope!r} (it has: {', '.join(token.scopes)})",
+                        scope=rule.scope)  # fmt: skip
+    if rule.staff and not token.user.is_staff:
+        raise Forbidden("only site administrators may do this (images are shared by every team)")
+    if not role_at_least(token.effective_role, rule.role):
+        raise Forbidden(
+            f"your role in team {token.team.name} is {token.effective_role}; this needs {rule.role} or above",
+            role=token.effective_role, needs=rule.role,
+        )  # fmt: skip
+
+
+__all__ = ["RULES", "ROLES", "Rule", "check", "route_key"]

@@ -1,0 +1,79 @@
+"""API tokens of the caller's team: list (with last use), create (shown once), revoke."""
+
+from __future__ import annotations
+
+from datetime import datetime
+
+from django.http import HttpRequest
+from ninja import Field, Router, Schema
+
+from runtime.models import ApiToken
+from runtime.services import auth as auth_svc
+
+from .blocking import blocking
+
+router = Router(tags=["tokens"])
+
+
+class TokenIn(Schema):
+    name: str = Field("", max_length=100)
+    role: str | None = Field(
+        None, description="viewer, member, admin or owner; at most yours (default: yours)"
+    )
+    scopes: list[str] = Field([], description="e.g. sandboxes:read, sandboxes:write; none: all of them")
+    expires_in_s: int | None = Field(None, description="the token stops working this long from now")
+
+
+class TokenOut(Schema):
+    id: int
+    name: str
+    prefix: str = Field(description="its first characters, to tell tokens apart")
+    user: str
+    role: str
+    scopes: list[str]
+    created_at: datetime
+    last_used_at: datetime | None
+    expires_at: datetime | None
+    revoked_at: datetime | None
+
+    @staticmethod
+    def resolve_user(obj: ApiToken | dict) -> str:
+        user = obj["user"] if isinstance(obj, dict) else obj.user
+        return user if isinstance(user, str) else user.get_username()
+
+
+class TokenCreatedOut(TokenOut):
+    token: str = Field(description="the token itself: shown this once, stored only hashed")
+
+
+@router.get("", response=list[TokenOut])
+async def list_tokens(request: HttpRequest):
+    """Your tokens in this team, newest first (an admin sees every token of the team)."""
+    return await blocking(lambda: list(auth_svc.tokens_visible(caller=request.auth)))()  # type: ignore[arg-type]
+
+
+@router.post("", response={201: TokenCreatedOut})
+async def create_token(request: HttpRequest, payload: TokenIn):
+    """A new token for you in this team, with a role no higher than yours."""
+
+    def create() -> dict:
+        caller = request.auth
+        issued = auth_svc.token_create(
+            user=caller.user, team=caller.team, name=payload.name, expires_in_s=payload.expires_in_s,  # type: ignore[attr-defined]
+            role=payload.role or caller.effective_role, scopes=payload.scopes,  # type: ignore[attr-defined]
+        )  # fmt: skip
+        t = issued.token
+        return {
+            "id": t.id, "name": t.name, "prefix": t.prefix, "user": t.user.get_username(), "role": t.role,
+            "scopes": t.scopes, "created_at": t.created_at, "last_used_at": t.last_used_at,
+            "expires_at": t.expires_at, "revoked_at": t.revoked_at, "token": issued.raw,
+        }  # fmt: skip
+
+    return 201, await blocking(create)()
+
+
+@router.delete("/{token_id}", response={204: None})
+async def revoke_token(request: HttpRequest, token_id: int):
+    """Revoke one of your tokens (an admin: any of the team's). It stops working at once."""
+    await blocking(lambda: auth_svc.token_revoke(caller=request.auth, token_id=token_id))()  # type: ignore[arg-type]
+    return 204, None

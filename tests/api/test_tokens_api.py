@@ -1,0 +1,155 @@
+"""API tokens: a role no higher than the user's, scopes, shown once, listed with last use,
+revocable; and the CLI that makes users, teams and tokens."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from django.contrib.auth import get_user_model
+from django.test import Client
+
+from dashboard.cli import main as cli_main
+from runtime.models import ApiToken, Membership, Team
+from runtime.services import auth as auth_svc
+
+
+def call(method: str, path: str, raw: str, body: dict | None = None):
+    r = Client().generic(method, f"/api/v1{path}", data=json.dumps(body or {}), content_type="application/json",
+                         HTTP_AUTHORIZATION=f"Bearer {raw}")  # fmt: skip
+    return r.status_code, (r.json() if r.content else None)
+
+
+@pytest.fixture
+def team(transactional_db):
+    User = get_user_model()
+    team = Team.objects.create(name="toks")
+    for role in ("member", "admin"):
+        u = User.objects.create_user(username=f"t-{role}", password="x")
+        Membership.objects.create(user=u, team=team, role=role)
+    return team
+
+
+def raw_for(team: Team, username: str, **kw) -> str:
+    user = get_user_model().objects.get(username=username)
+    return auth_svc.token_create(user=user, team=team, **kw).raw
+
+
+def test_tokens_are_shown_once_listed_with_last_use_and_revocable(team):
+    member = raw_for(team, "t-member")
+    status, made = call(
+        "POST", "/tokens", member, {"name": "ci", "scopes": ["sandboxes:read"], "expires_in_s": 3600}
+    )
+    assert status == 201 and made["token"].startswith("hgr_") and made["role"] == "member", made
+    assert made["scopes"] == ["sandboxes:read"] and made["expires_at"]
+    stored = ApiToken.objects.get(id=made["id"])
+    assert made["token"] not in (stored.token_hash, stored.prefix) and stored.prefix == made["token"][:12]
+    # The new token works, within its scope: it reads sandboxes and may not create one.
+    assert call("GET", "/sandboxes", made["token"])[0] == 200
+    status, body = call("POST", "/sandboxes", made["token"], {"image": "busybox"})
+    assert status == 403 and "sandboxes:write" in body["detail"]
+    listed = call("GET", "/tokens", member)[1]
+    assert {t["id"] for t in listed} == {
+        stored.id,
+        ApiToken.objects.get(user__username="t-member", name="").id,
+    }
+    assert all("token" not in t for t in listed)  # never shown again
+    assert next(t for t in listed if t["id"] == made["id"])["last_used_at"] is not None
+    assert call("DELETE", f"/tokens/{made['id']}", member)[0] == 204
+    assert call("GET", "/sandboxes", made["token"])[0] == 401  # revoked: at once
+    assert call("DELETE", f"/tokens/{made['id']}", member)[0] == 204  # twice is harmless
+
+
+def test_a_token_cannot_outrank_its_user_and_scopes_are_checked(team):
+    member = raw_for(team, "t-member")
+    status, body = call("POST", "/tokens", member, {"role": "admin"})
+    assert status == 403 and "cannot be higher" in body["detail"]
+    status, body = call("POST", "/tokens", member, {"scopes": ["sandboxes:destroy"]})
+    assert status == 422 and "unknown scope" in body["detail"]
+    status, body = call("POST", "/tokens", member, {"role": "emperor"})
+    assert status == 422 and "unknown role" in body["detail"]
+    # An admin's token issued as a viewer is a viewer's.
+    viewer_of_admin = raw_for(team, "t-admin", role="viewer")
+    status, body = call("POST", "/volumes", viewer_of_admin, {"name": "v", "size_mb": 16})
+    assert status == 403 and "viewer" in body["detail"]
+    # A role taken away takes effect on the user's tokens at once.
+    admin = raw_for(team, "t-admin")
+    Membership.objects.filter(user__username="t-admin").update(role="viewer")
+    assert call("POST", "/volumes", admin, {"name": "v", "size_mb": 16})[0] == 403
+
+
+def test_members_see_and_revoke_their_own_tokens_admins_all(team):
+    member = raw_for(team, "t-member")
+    admin = raw_for(team, "t-admin")
+    member_token_id = ApiToken.objects.get(user__username="t-member").id
+    admin_token_id = ApiToken.objects.get(user__username="t-admin").id
+    assert {t["user"] for t in call("GET", "/tokens", member)[1]} == {"t-member"}
+    assert {t["user"] for t in call("GET", "/tokens", admin)[1]} == {"t-member", "t-admin"}
+    assert call("DELETE", f"/tokens/{admin_token_id}", member)[0] == 404
+    assert call("DELETE", f"/tokens/{member_token_id}", admin)[0] == 204
+    assert call("GET", "/sandboxes", member)[0] == 401
+
+
+def test_cli_creates_users_teams_and_tokens_with_roles(transactional_db, capsys):
+    assert cli_main(["user", "create", "ada", "--password", "pw-ada"]) == 0
+    assert cli_main(["user", "create", "root2", "--staff"]) == 0
+    assert "password: " in capsys.readouterr().out  # generated and shown once
+    assert get_user_model().objects.get(username="root2").is_staff
+    assert cli_main(["user", "create", "ada"]) == 2
+    assert "exists already" in capsys.readouterr().err
+    assert cli_main(["team", "create", "research", "--owner", "ada"]) == 0
+    assert Membership.objects.get(user__username="ada", team__name="research").role == "owner"
+    assert cli_main(["team", "create", "research", "--owner", "ada"]) == 2
+    assert cli_main(["token", "create", "--user", "ada", "--team", "research", "--role", "viewer"]) == 0
+    raw = capsys.readouterr().out.strip().splitlines()[-1]
+    token = auth_svc.token_authenticate(raw)
+    assert token is not None and token.role == "viewer" and token.effective_role == "viewer"
+
+
+# -- teams and members -----------------------------------------------------------------------
+
+
+def test_members_roles_and_the_last_owner(team):
+    User = get_user_model()
+    owner = User.objects.create_user(username="t-owner", password="x")
+    Membership.objects.create(user=owner, team=team, role="owner")
+    User.objects.create_user(username="newbie", password="x")
+    own, adm, mem = (raw_for(team, f"t-{r}") for r in ("owner", "admin", "member"))
+    url = f"/teams/{team.id}/members"
+    assert [t["name"] for t in call("GET", "/teams", mem)[1]] == ["toks"]
+    assert {m["username"]: m["role"] for m in call("GET", url, mem)[1]} == {
+        "t-owner": "owner", "t-admin": "admin", "t-member": "member"}  # fmt: skip
+    # Members do not manage members; admins do, up to admin; only owners make owners.
+    assert call("POST", url, mem, {"username": "newbie"})[0] == 403
+    assert call("POST", url, adm, {"username": "newbie", "role": "owner"})[0] == 403
+    status, body = call("POST", url, adm, {"username": "newbie", "role": "viewer"})
+    assert status == 201 and body == {**body, "username": "newbie", "role": "viewer"}
+    assert call("POST", url, adm, {"username": "newbie"})[0] == 409  # already in
+    assert call("POST", url, adm, {"username": "nobody"})[0] == 404
+    assert call("PATCH", f"{url}/newbie", adm, {"role": "member"})[1]["role"] == "member"
+    assert call("PATCH", f"{url}/t-owner", adm, {"role": "member"})[0] == 403
+    # The last owner can neither leave nor be demoted; with a second owner, both can.
+    status, body = call("DELETE", f"{url}/t-owner", own)
+    assert status == 409 and "last owner" in body["detail"]
+    assert call("PATCH", f"{url}/t-owner", own, {"role": "admin"})[0] == 409
+    assert call("PATCH", f"{url}/t-admin", own, {"role": "owner"})[1]["role"] == "owner"
+    assert call("DELETE", f"{url}/t-owner", own)[0] == 204  # leaving
+    # Anyone may leave; a member may not remove someone else.
+    assert call("DELETE", f"{url}/newbie", mem)[0] == 403
+    assert call("DELETE", f"{url}/t-member", mem)[0] == 204
+    assert call("GET", "/sandboxes", mem)[0] == 401  # out of the team: its tokens are dead
+    # Another team's members are not this token's business.
+    other = Team.objects.create(name="other")
+    assert call("GET", f"/teams/{other.id}/members", adm)[0] == 404
+
+
+def test_websockets_obey_token_roles_and_scopes(team):
+    from dashboard.consumers import _identity
+
+    def who(raw: str):
+        return _identity({"api_token": auth_svc.token_authenticate(raw), "token_presented": True})
+
+    assert who(raw_for(team, "t-member"))[2] is True  # may type
+    assert who(raw_for(team, "t-admin", role="viewer"))[2] is False  # watches only
+    assert who(raw_for(team, "t-member", scopes=["sandboxes:read"]))[2] is False
+    assert who(raw_for(team, "t-member", scopes=["volumes:*"])) is None  # not its business at all
