@@ -234,6 +234,10 @@ HANGAR_EXEC_MAX_OUTPUT_BYTES = env_int("HANGAR_EXEC_MAX_OUTPUT_BYTES", 64 * 1024
 HANGAR_PROCESS_OUTPUT_BYTES = env_int("HANGAR_PROCESS_OUTPUT_BYTES", 4 * 1024 * 1024, minimum=64 * 1024)
 # How often a node's bridge reports activity in its terminals (which pushes expiries out).
 HANGAR_ACTIVITY_REPORT_S = env_int("HANGAR_ACTIVITY_REPORT_S", 30, minimum=1)
+# Flow control of live output (see runtime/bridge.py): a flow-controlled viewer this far behind
+# holds the command back; it runs again once the viewer is within the low mark.
+HANGAR_FLOW_HIGH_BYTES = env_int("HANGAR_FLOW_HIGH_BYTES", 128 * 1024, minimum=4096)
+HANGAR_FLOW_LOW_BYTES = env_int("HANGAR_FLOW_LOW_BYTES", 32 * 1024, minimum=1024)
 HANGAR_TERMINAL_SCROLLBACK_BYTES = env_int("HANGAR_TERMINAL_SCROLLBACK_BYTES", 256 * 1024, minimum=64 * 1024)
 HANGAR_FILE_MAX_BYTES = env_int("HANGAR_FILE_MAX_BYTES", 512 * 1024 * 1024, minimum=1024)
 HANGAR_CREATE_WAIT_S = env_int("HANGAR_CREATE_WAIT_S", 60, minimum=1)

@@ -45,8 +45,8 @@ from .node import launcher_for
 
 log = logging.getLogger("hangar.bridge")
 
-HIGH = 128 * 1024
-LOW = 32 * 1024
+HIGH = settings.HANGAR_FLOW_HIGH_BYTES  # 128 KiB by default
+LOW = settings.HANGAR_FLOW_LOW_BYTES  # 32 KiB
 STALE_S = 15.0
 COALESCE_BYTES = 256 * 1024
 KEEP_ENDED_S = 600.0

@@ -8,5 +8,9 @@ os.environ.setdefault("REDIS_URL", "redis://127.0.0.1:6379/7")
 os.environ.setdefault("HANGAR_DATA_DIR", os.path.join(tempfile.gettempdir(), "hangar-test-data"))
 os.environ.setdefault("HANGAR_NODE_NAME", "test-node")
 os.environ.setdefault("HANGAR_ACTIVITY_REPORT_S", "1")  # bridges report terminal activity at once
+# Flow control's marks, small: a gVisor pty under ptrace may move only ~10 KB/s on a busy host,
+# and the flow tests must reach the high mark whatever the host's load.
+os.environ.setdefault("HANGAR_FLOW_HIGH_BYTES", str(16 * 1024))
+os.environ.setdefault("HANGAR_FLOW_LOW_BYTES", str(4 * 1024))
 
 from dashboard.settings import *  # noqa: E402,F403
