@@ -240,25 +240,27 @@ def cmd_bridge(args: argparse.Namespace) -> int:
     return 0
 
 
+def _user_named(name: str, hint: str = "") -> Any:
+    """The user called ``name``; a NotFound (printed by main) if there is none."""
+    from django.contrib.auth import get_user_model
+
+    from runtime.errors import NotFound
+
+    user = get_user_model().objects.filter(username=name).first()
+    if user is None:
+        raise NotFound(f"no user named {name!r}{hint}")
+    return user
+
+
 def cmd_token_create(args: argparse.Namespace) -> int:
     _setup_django()
     _migrate()
-    from django.contrib.auth import get_user_model
-
-    from runtime.errors import ServiceError
     from runtime.services.auth import team_for_user, token_create
 
-    user = get_user_model().objects.filter(username=args.user).first()
-    if user is None:
-        print(f"hangar: no user named {args.user!r}", file=sys.stderr)
-        return 2
-    try:
-        team = team_for_user(user=user, team_name=args.team)
-        issued = token_create(user=user, team=team, name=args.name or "cli", role=args.role,
-                              scopes=args.scope or None, expires_in_s=args.expires_in)  # fmt: skip
-    except ServiceError as exc:
-        print(f"hangar: {exc.message}", file=sys.stderr)
-        return 2
+    user = _user_named(args.user)
+    team = team_for_user(user=user, team_name=args.team)
+    issued = token_create(user=user, team=team, name=args.name or "cli", role=args.role,
+                          scopes=args.scope or None, expires_in_s=args.expires_in)  # fmt: skip
     print(
         f"token for {user.get_username()} in team {team.name}, role {issued.token.role} "
         "(shown once, stored hashed):"
@@ -270,14 +272,9 @@ def cmd_token_create(args: argparse.Namespace) -> int:
 def cmd_user_create(args: argparse.Namespace) -> int:
     _setup_django()
     _migrate()
-    from runtime.errors import ServiceError
     from runtime.services.auth import user_create
 
-    try:
-        user, password = user_create(username=args.name, password=args.password, staff=args.staff)
-    except ServiceError as exc:
-        print(f"hangar: {exc.message}", file=sys.stderr)
-        return 2
+    user, password = user_create(username=args.name, password=args.password, staff=args.staff)
     kind = "site administrator" if args.staff else "user"
     print(f"{kind} {user.get_username()} created" + ("" if args.password else f"; password: {password}"))
     return 0
@@ -286,20 +283,10 @@ def cmd_user_create(args: argparse.Namespace) -> int:
 def cmd_team_create(args: argparse.Namespace) -> int:
     _setup_django()
     _migrate()
-    from django.contrib.auth import get_user_model
-
-    from runtime.errors import ServiceError
     from runtime.services.auth import team_create
 
-    owner = get_user_model().objects.filter(username=args.owner).first()
-    if owner is None:
-        print(f"hangar: no user named {args.owner!r} (create one: hangar user create NAME)", file=sys.stderr)
-        return 2
-    try:
-        team = team_create(name=args.name, owner=owner)
-    except ServiceError as exc:
-        print(f"hangar: {exc.message}", file=sys.stderr)
-        return 2
+    owner = _user_named(args.owner, " (create one: hangar user create NAME)")
+    team = team_create(name=args.name, owner=owner)
     print(f"team {team.name} created, owned by {owner.get_username()}")
     return 0
 
@@ -426,10 +413,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    from runtime.errors import ServiceError
+
     try:
         return int(args.fn(args) or 0)
     except ImproperlyConfigured as exc:
         print(f"hangar: configuration error: {exc}", file=sys.stderr)
+        return 2
+    except ServiceError as exc:  # a caller's mistake, said by the service
+        print(f"hangar: {exc.message}", file=sys.stderr)
         return 2
 
 

@@ -382,8 +382,8 @@ class GVisorLauncher(Launcher):
         # times faster (flate runs at ~150 MB/s on one core) at the cost of disk. Older ones
         # always compress.
         if self._ckpt_flags is None:
-            text = "".join(_run([self.runsc, "checkpoint", "--help"], check=False).__dict__.get(k) or ""
-                           for k in ("stdout", "stderr"))  # fmt: skip
+            proc = _run([self.runsc, "checkpoint", "--help"], check=False)
+            text = proc.stdout + proc.stderr
             self._ckpt_flags = ("--compression=none",) if "-compression" in text else ()
         return self._ckpt_flags
 

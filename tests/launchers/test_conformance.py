@@ -440,7 +440,8 @@ def _collect(process, sink: list, done: threading.Event) -> None:
 
 def test_checkpoint_and_restore_keep_processes_memory_and_streams_five_times(launcher, busybox):
     if not launcher.can_checkpoint:
-        pytest.skip(f"the {launcher.name} runtime cannot checkpoint")
+        assert_refuses_checkpoint(launcher, busybox)
+        return
     spec = SandboxSpec(id="t" + uuid.uuid4().hex[:12], rootfs=busybox.rootfs, memory_mb=256)
     handle = launcher.create(spec)
     try:
@@ -480,7 +481,8 @@ def test_checkpoint_and_restore_keep_processes_memory_and_streams_five_times(lau
 
 def test_a_checkpointed_sandbox_can_be_destroyed_and_restore_needs_a_checkpoint(launcher, busybox):
     if not launcher.can_checkpoint:
-        pytest.skip(f"the {launcher.name} runtime cannot checkpoint")
+        assert_refuses_checkpoint(launcher, busybox)
+        return
     spec = SandboxSpec(id="t" + uuid.uuid4().hex[:12], rootfs=busybox.rootfs, memory_mb=256)
     handle = launcher.create(spec)
     process = launcher.open_process(handle, ProcessRequest(argv=["sleep", "600"]))
@@ -496,6 +498,20 @@ def test_a_checkpointed_sandbox_can_be_destroyed_and_restore_needs_a_checkpoint(
         launcher.restore(spec)
     launcher.destroy_id(spec.id)
     assert_nothing_left(launcher, spec.id)
+
+
+def assert_refuses_checkpoint(launcher, busybox) -> None:
+    """A runtime without checkpoints says so, and leaves the sandbox running."""
+    from runtime.launchers.base import LauncherError
+
+    spec = SandboxSpec(id="t" + uuid.uuid4().hex[:12], rootfs=busybox.rootfs, memory_mb=256)
+    handle = launcher.create(spec)
+    try:
+        with pytest.raises(LauncherError, match="cannot checkpoint"):
+            launcher.checkpoint(spec.id)
+        assert launcher.state(handle).status == "running"
+    finally:
+        launcher.destroy_id(spec.id)
 
 
 def wait_until_true(check: Callable[[], object], timeout: float) -> None:
