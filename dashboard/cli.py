@@ -26,6 +26,16 @@ def _setup_django() -> Any:
     return settings
 
 
+def _as_cli() -> None:
+    """What an admin command changes goes in the audit log as done from the CLI, by this
+    machine's user (the long-running commands, up, node, bridge, act as Hangar itself)."""
+    import getpass
+
+    from runtime.services import audit
+
+    audit.set_actor(audit.Actor(via="cli", username=f"cli:{getpass.getuser()}"))
+
+
 def _say(message: str) -> None:
     print(message, flush=True)
 
@@ -255,6 +265,7 @@ def _user_named(name: str, hint: str = "") -> Any:
 def cmd_token_create(args: argparse.Namespace) -> int:
     _setup_django()
     _migrate()
+    _as_cli()
     from runtime.services.auth import team_for_user, token_create
 
     user = _user_named(args.user)
@@ -272,6 +283,7 @@ def cmd_token_create(args: argparse.Namespace) -> int:
 def cmd_user_create(args: argparse.Namespace) -> int:
     _setup_django()
     _migrate()
+    _as_cli()
     from runtime.services.auth import user_create
 
     user, password = user_create(username=args.name, password=args.password, staff=args.staff)
@@ -283,11 +295,25 @@ def cmd_user_create(args: argparse.Namespace) -> int:
 def cmd_team_create(args: argparse.Namespace) -> int:
     _setup_django()
     _migrate()
+    _as_cli()
     from runtime.services.auth import team_create
 
     owner = _user_named(args.owner, " (create one: hangar user create NAME)")
     team = team_create(name=args.name, owner=owner)
     print(f"team {team.name} created, owned by {owner.get_username()}")
+    return 0
+
+
+def cmd_secrets_rotate(args: argparse.Namespace) -> int:
+    _setup_django()
+    _migrate()
+    _as_cli()
+    from runtime.services.secrets import secrets_rotate
+
+    n = secrets_rotate()
+    print(
+        f"{n} secret(s) re-encrypted under the first key of HANGAR_SECRETS_KEYS; older keys can now be dropped"
+    )
     return 0
 
 
@@ -389,6 +415,12 @@ def build_parser() -> argparse.ArgumentParser:
     tmc.add_argument("--owner", required=True)
     tmc.set_defaults(fn=cmd_team_create)
 
+    secrets = sub.add_parser("secrets", help="team secrets")
+    ssub = secrets.add_subparsers(dest="secrets_cmd", required=True)
+    ssub.add_parser(
+        "rotate", help="re-encrypt every secret under the first key of HANGAR_SECRETS_KEYS (key rotation)"
+    ).set_defaults(fn=cmd_secrets_rotate)
+
     image = sub.add_parser("image", help="images on this node")
     isub = image.add_subparsers(dest="image_cmd", required=True)
     isub.add_parser("list", help="list images").set_defaults(fn=cmd_image)
@@ -423,6 +455,10 @@ def main(argv: list[str] | None = None) -> int:
     except ServiceError as exc:  # a caller's mistake, said by the service
         print(f"hangar: {exc.message}", file=sys.stderr)
         return 2
+    finally:
+        audit = sys.modules.get("runtime.services.audit")
+        if audit is not None:  # called in-process (tests): the next caller is not the CLI
+            audit.set_actor(None)
 
 
 if __name__ == "__main__":

@@ -26,6 +26,10 @@ class SandboxCreateForm(forms.Form):
         label="Pause when idle for (s)", required=False, min_value=10,
         widget=forms.NumberInput(attrs={"placeholder": "never", "min": "10"}),
     )  # fmt: skip
+    secrets = forms.MultipleChoiceField(
+        required=False, widget=forms.CheckboxSelectMultiple,
+        help_text="team secrets, set as environment variables of the same names",
+    )  # fmt: skip
     env = forms.CharField(
         required=False,
         widget=forms.Textarea(
@@ -43,13 +47,16 @@ class SandboxCreateForm(forms.Form):
         ("unknown pause mode", "pause_mode"),
         ("an ephemeral sandbox", "pause_mode"),
         ("env", "env"),
+        ("team ", "secrets"),
         ("unknown image", "image"),
         ("image", "image"),
         ("no online node runs runtime", "runtime"),
     )
 
-    def __init__(self, *args: object, images: list[str], runtimes: list[str], **kwargs: object) -> None:
+    def __init__(self, *args: object, images: list[str], runtimes: list[str], secrets: list[str] = (),
+                 **kwargs: object) -> None:  # fmt: skip
         super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        self.fields["secrets"].choices = [(name, name) for name in secrets]  # type: ignore[attr-defined]
         self.images = images
         self.fields["image"].widget.choices = [(name, name) for name in images]  # type: ignore[attr-defined]
         self.fields["runtime"].widget.choices = [(name, name) for name in runtimes]  # type: ignore[attr-defined]

@@ -132,6 +132,7 @@ MIDDLEWARE = [
     "django.middleware.common.CommonMiddleware",
     "django.middleware.csrf.CsrfViewMiddleware",
     "django.contrib.auth.middleware.AuthenticationMiddleware",
+    "dashboard.middleware.AuditActorMiddleware",
     "django.contrib.messages.middleware.MessageMiddleware",
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
 ]
@@ -199,6 +200,7 @@ CELERY_BEAT_SCHEDULE = {
         "task": "runtime.tasks.sandboxes_reap",
         "schedule": env_float("HANGAR_REAP_TICK_S", 5.0),
     },
+    "usage-meter": {"task": "runtime.tasks.usage_meter", "schedule": env_float("HANGAR_METER_TICK_S", 60.0)},
 }
 
 STATIC_URL = "/static/"
@@ -241,6 +243,26 @@ HANGAR_FLOW_LOW_BYTES = env_int("HANGAR_FLOW_LOW_BYTES", 32 * 1024, minimum=1024
 HANGAR_TERMINAL_SCROLLBACK_BYTES = env_int("HANGAR_TERMINAL_SCROLLBACK_BYTES", 256 * 1024, minimum=64 * 1024)
 HANGAR_FILE_MAX_BYTES = env_int("HANGAR_FILE_MAX_BYTES", 512 * 1024 * 1024, minimum=1024)
 HANGAR_CREATE_WAIT_S = env_int("HANGAR_CREATE_WAIT_S", 60, minimum=1)
+# Site-wide quota defaults per team (a team's own limits and ceilings override them; site
+# administrators change them in the API and the dashboard too: those win over these).
+HANGAR_QUOTA_SANDBOXES = env_int("HANGAR_QUOTA_SANDBOXES", 50, minimum=0)
+HANGAR_QUOTA_VCPU = env_float("HANGAR_QUOTA_VCPU", 64.0)
+HANGAR_QUOTA_MEMORY_MB = env_int("HANGAR_QUOTA_MEMORY_MB", 128 * 1024, minimum=0)
+HANGAR_QUOTA_STORAGE_MB = env_int("HANGAR_QUOTA_STORAGE_MB", 500 * 1024, minimum=0)
+HANGAR_QUOTA_LIFETIME_S = env_int("HANGAR_QUOTA_LIFETIME_S", HANGAR_SANDBOX_MAX_TIMEOUT_S, minimum=1)
+HANGAR_QUOTA_HARNESSES = env_int("HANGAR_QUOTA_HARNESSES", 20, minimum=0)
+HANGAR_QUOTA_GPUS = env_int("HANGAR_QUOTA_GPUS", 0, minimum=0)
+# Cost rates (any currency; 0: usage is metered but costs nothing). Usage is counted into
+# hourly rollups as it accrues: at every change of state, and every HANGAR_METER_TICK_S (beat).
+HANGAR_RATE_VCPU_HOUR = env_float("HANGAR_RATE_VCPU_HOUR", 0.0)
+HANGAR_RATE_MEMORY_GB_HOUR = env_float("HANGAR_RATE_MEMORY_GB_HOUR", 0.0)
+HANGAR_RATE_STORAGE_GB_HOUR = env_float("HANGAR_RATE_STORAGE_GB_HOUR", 0.0)
+HANGAR_RATE_GPU_HOUR = env_float("HANGAR_RATE_GPU_HOUR", 0.0)
+HANGAR_CURRENCY = env_str("HANGAR_CURRENCY", "USD")
+# Fernet keys for team secrets, newest first, comma-separated (rotation: put a new key first,
+# run `hangar secrets rotate`, then drop the old one). Empty: one generated under the data dir.
+HANGAR_SECRETS_KEYS = [k.strip() for k in env_str("HANGAR_SECRETS_KEYS", "").split(",") if k.strip()]
+HANGAR_INVITATION_TTL_S = env_int("HANGAR_INVITATION_TTL_S", 7 * 86400, minimum=60)
 
 DATA_UPLOAD_MAX_MEMORY_SIZE = HANGAR_FILE_MAX_BYTES
 

@@ -2,7 +2,7 @@ from django.contrib import admin
 from django.contrib.auth import views as auth_views
 from django.urls import path
 
-from dashboard import views
+from dashboard import team_views, views
 from dashboard.api import api
 
 urlpatterns = [
@@ -29,5 +29,11 @@ urlpatterns = [
     path("images/", views.images, name="images"),
     path("volumes/", views.volumes, name="volumes"),
     path("images/jobs/<int:job_id>/", views.image_job, name="image_job"),
+    path("team/settings/", team_views.team_page, name="team"),
+    path("usage/", team_views.usage_page, name="usage"),
+    path("usage/<int:team_id>.csv", team_views.usage_csv, name="usage_csv"),
+    path("audit/", team_views.audit_page, name="audit"),
+    path("audit.csv", team_views.audit_csv, name="audit_csv"),
+    path("invite/<str:code>/", team_views.invitation, name="invitation"),
     path("", views.overview, name="overview"),
 ]

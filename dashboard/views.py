@@ -83,6 +83,13 @@ class TeamContext:
         return self.membership.team if self.membership else None
 
     @property
+    def is_admin(self) -> bool:
+        return self.membership is not None and self.membership.role in (
+            Membership.Role.ADMIN,
+            Membership.Role.OWNER,
+        )
+
+    @property
     def can_change(self) -> bool:
         return self.membership is not None and self.membership.role != Membership.Role.VIEWER
 
@@ -225,9 +232,14 @@ def sandbox_rows_context(*, team: Team, ids: list[str]) -> list[SandboxRow]:
     return _rows(list(sandboxes))
 
 
-def _create_form(data: Any = None) -> SandboxCreateForm:
+def _create_form(team: Team | None, data: Any = None) -> SandboxCreateForm:
+    from runtime.models import Secret
+
     images = list(Image.objects.order_by("name").values_list("name", flat=True))
-    return SandboxCreateForm(data, images=images, runtimes=launcher_names())
+    names = (
+        list(Secret.objects.filter(team=team).order_by("name").values_list("name", flat=True)) if team else []
+    )
+    return SandboxCreateForm(data, images=images, runtimes=launcher_names(), secrets=names)
 
 
 @login_required
@@ -240,7 +252,7 @@ def sandboxes(request: HttpRequest) -> HttpResponse:
     if request.method == "POST":
         if not tc.can_change or tc.team is None:
             return HttpResponseForbidden(VIEWER_REFUSAL)
-        form = _create_form(request.POST)
+        form = _create_form(tc.team, request.POST)
         if form.is_valid():
             data = form.cleaned_data
             try:
@@ -248,7 +260,7 @@ def sandboxes(request: HttpRequest) -> HttpResponse:
                     team=tc.team, user=request.user, image=data["image"], runtime=data["runtime"],
                     cpu=data["cpu"], memory_mb=data["memory_mb"], timeout_s=data["timeout_s"], env=data["env"],
                     on_expire=data.get("on_expire") or "destroy", idle_timeout_s=data.get("idle_timeout_s"),
-                    pause_mode=data.get("pause_mode") or "stop",
+                    pause_mode=data.get("pause_mode") or "stop", secrets=list(data.get("secrets") or []),
                 )  # fmt: skip
             except ServiceError as exc:
                 form.add_service_error(exc.message)
@@ -260,7 +272,7 @@ def sandboxes(request: HttpRequest) -> HttpResponse:
     current = request.GET.get("status") or "active"
     if current not in dict(FILTERS):
         current = "active"
-    context: dict[str, Any] = {"section": "sandboxes", "filter": current, "form": form or _create_form(),
+    context: dict[str, Any] = {"section": "sandboxes", "filter": current, "form": form or _create_form(tc.team),
                                "rendered_at": f"{time.time():.3f}"}  # fmt: skip
     if tc.team is not None:
         grouped = (

@@ -34,6 +34,12 @@ class Conflict(ServiceError):
     status_code = 409
 
 
+class QuotaExceeded(ServiceError):
+    """Over a team quota or budget: the body names the quota, the current use and the limit."""
+
+    status_code = 429
+
+
 class NoCapacity(ServiceError):
     status_code = 503
 

@@ -10,6 +10,7 @@ from django.utils import timezone
 
 from . import notify
 from .models import Sandbox, SandboxEvent
+from .services import usage
 
 S = Sandbox.Status
 
@@ -51,7 +52,10 @@ def transition(
         row = Sandbox.objects.select_for_update().filter(id=sandbox_id, status__in=allowed).first()
         if row is None:
             return False
-        updates: dict[str, Any] = {"status": to, "updated_at": timezone.now(), **(fields or {})}
+        now = timezone.now()
+        # Usage is counted up to each change into or out of holding CPU and memory.
+        metered = usage.on_transition(row, to, now)
+        updates: dict[str, Any] = {"status": to, "updated_at": now, **metered, **(fields or {})}
         if reason or to in (S.FAILED, S.RUNNING):
             updates["status_reason"] = reason
         Sandbox.objects.filter(id=sandbox_id).update(**updates)

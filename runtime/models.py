@@ -168,6 +168,7 @@ class Volume(models.Model):
     node = models.ForeignKey(Node, null=True, on_delete=models.SET_NULL, related_name="volumes")
     created_by = models.ForeignKey(settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL)
     created_at = models.DateTimeField(auto_now_add=True)
+    metered_at = models.DateTimeField(null=True, blank=True)  # storage counted up to here
 
     class Meta:
         constraints = [models.UniqueConstraint(fields=["team", "name"], name="volume_name_unique_in_team")]
@@ -241,6 +242,10 @@ class Sandbox(models.Model):
     # A warm pool's member: nobody's until claimed (then it is the claimer's like any other).
     pool = models.ForeignKey(Pool, null=True, blank=True, on_delete=models.SET_NULL, related_name="members")
     claimed_at = models.DateTimeField(null=True, blank=True)
+    # Team secrets given to it as environment variables (names only: values stay encrypted).
+    secrets = models.JSONField(default=list, blank=True)
+    # Usage is counted up to here while it holds CPU and memory (None: it holds none).
+    metered_at = models.DateTimeField(null=True, blank=True)
 
     class Meta:
         ordering = ["-created_at"]
@@ -355,3 +360,104 @@ class Terminal(models.Model):
 
     def __str__(self) -> str:
         return self.id
+
+
+class TeamPolicy(models.Model):
+    """A team's quotas, cost rates and budget. ``ceilings`` are set by site administrators
+    (a key not there: the site default); ``limits`` by the team's admins, never above the
+    ceiling (a key not there: the ceiling). Keys: :data:`runtime.services.quotas.QUOTAS`."""
+
+    team = models.OneToOneField(Team, on_delete=models.CASCADE, related_name="policy")
+    limits = models.JSONField(default=dict, blank=True)
+    ceilings = models.JSONField(default=dict, blank=True)
+    rates = models.JSONField(default=dict, blank=True)  # staff: cost per unit, over the site's
+    budget = models.FloatField(null=True, blank=True)  # per calendar month, in the rates' currency
+    budget_enforced = models.BooleanField(default=False)  # at 100%: no new sandboxes
+    budget_warned = models.CharField(max_length=7, blank=True)  # "YYYY-MM" once warned at 80%
+    updated_at = models.DateTimeField(auto_now=True)
+
+
+class SiteDefaults(models.Model):
+    """The site-wide quota defaults and cost rates (one row), over the settings' values."""
+
+    quotas = models.JSONField(default=dict, blank=True)
+    rates = models.JSONField(default=dict, blank=True)
+    updated_at = models.DateTimeField(auto_now=True)
+
+
+class Secret(models.Model):
+    """A team's secret: the value is encrypted (Fernet) and never shown again after creation."""
+
+    team = models.ForeignKey(Team, on_delete=models.CASCADE, related_name="secrets")
+    name = models.CharField(max_length=128)
+    ciphertext = models.BinaryField()
+    created_by = models.ForeignKey(settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL)
+    created_at = models.DateTimeField(auto_now_add=True)
+    updated_at = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        constraints = [models.UniqueConstraint(fields=["team", "name"], name="secret_name_unique_in_team")]
+
+    def __str__(self) -> str:
+        return self.name
+
+
+class Invitation(models.Model):
+    """A link that makes whoever signs in with it a member of the team with ``role``; only its
+    hash is stored. Used once, or revoked, or expired."""
+
+    team = models.ForeignKey(Team, on_delete=models.CASCADE, related_name="invitations")
+    role = models.CharField(max_length=16)
+    token_hash = models.CharField(max_length=64, unique=True)
+    created_by = models.ForeignKey(
+        settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL, related_name="+"
+    )
+    created_at = models.DateTimeField(auto_now_add=True)
+    expires_at = models.DateTimeField()
+    accepted_by = models.ForeignKey(
+        settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL, related_name="+"
+    )
+    accepted_at = models.DateTimeField(null=True, blank=True)
+    revoked_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["-created_at"]
+
+
+class UsageHour(models.Model):
+    """What a team used in one hour (UTC), added to as it accrues."""
+
+    team = models.ForeignKey(Team, on_delete=models.CASCADE, related_name="usage")
+    hour = models.DateTimeField()
+    vcpu_seconds = models.FloatField(default=0)
+    memory_gb_seconds = models.FloatField(default=0)
+    storage_gb_hours = models.FloatField(default=0)
+    gpu_seconds = models.FloatField(default=0)
+    sandboxes = models.IntegerField(default=0)  # sandboxes started in the hour
+
+    class Meta:
+        ordering = ["hour"]
+        constraints = [models.UniqueConstraint(fields=["team", "hour"], name="usage_one_row_per_team_hour")]
+
+
+class AuditEvent(models.Model):
+    """One change, append-only (the database refuses UPDATE and DELETE on this table). Team
+    and actor are kept by id and name, not as foreign keys, so the record outlives them."""
+
+    created_at = models.DateTimeField(default=timezone.now, db_index=True)
+    team_id_ref = models.IntegerField(null=True, blank=True, db_index=True)
+    team_name = models.CharField(max_length=100, blank=True)
+    actor_id = models.IntegerField(null=True, blank=True)
+    actor = models.CharField(max_length=150, blank=True)  # user name; "" for Hangar itself
+    via = models.CharField(max_length=16)  # api | dashboard | cli | system
+    token = models.CharField(max_length=16, blank=True)  # the API token's prefix
+    session = models.CharField(max_length=16, blank=True)  # a hash of the session key
+    ip = models.CharField(max_length=64, blank=True)
+    action = models.CharField(max_length=64, db_index=True)  # sandbox.create, member.add…
+    target = models.CharField(max_length=200, blank=True)
+    outcome = models.CharField(max_length=16, default="ok")  # ok | refused | error
+    message = models.TextField(blank=True)
+    data = models.JSONField(default=dict, blank=True)
+
+    class Meta:
+        ordering = ["-created_at", "-id"]

@@ -123,3 +123,12 @@ def sandboxes_reap() -> int:
     reaped = sandbox_services.sandboxes_reap_expired()
     pool_services.pools_refill_all()  # heals pools whose refill was lost or stopped short
     return reaped
+
+
+@shared_task
+def usage_meter() -> int:
+    """Beat: count what running sandboxes and volumes used up to now into the hourly rollups,
+    and warn teams past 80% of their budget."""
+    from .services import usage
+
+    return usage.meter()

@@ -83,6 +83,11 @@ def test_sign_in_page_renders_and_signs_in(client, alpha):
         "/sandboxes/sbanything/?tab=files",
         "/images/",
         "/images/jobs/1/",
+        "/team/settings/",
+        "/usage/",
+        "/usage/1.csv",
+        "/audit/",
+        "/audit.csv",
     ],
 )
 def test_pages_require_sign_in(client, url):

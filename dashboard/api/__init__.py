@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
+import logging
+import threading
+
+from django.db import close_old_connections
 from django.http import HttpRequest, HttpResponse
 from ninja import NinjaAPI
 from ninja.errors import AuthenticationError, ValidationError
@@ -10,6 +15,7 @@ from runtime.errors import ServiceError
 
 from .auth import TokenAuth
 
+log = logging.getLogger(__name__)
 api = NinjaAPI(
     title="Hangar API",
     version="1",
@@ -21,7 +27,42 @@ api = NinjaAPI(
 
 @api.exception_handler(ServiceError)
 def service_error(request: HttpRequest, exc: ServiceError) -> HttpResponse:
+    _audit_refusal(request, exc.status_code, exc.message)
     return api.create_response(request, {"detail": exc.message, **exc.extra}, status=exc.status_code)
+
+
+def _audit_refusal(request: HttpRequest, status: int, message: str) -> None:
+    """A refused attempt to change something, by a caller we know, goes in the audit log."""
+    actor = getattr(request, "audit_actor", None)
+    if actor is None or request.method in ("GET", "HEAD", "OPTIONS"):
+        return
+    from runtime.services import audit
+
+    from .permissions import route_key
+
+    key = route_key(request)
+    token = getattr(request, "audit_token", None)
+
+    def write() -> None:
+        try:
+            audit.record("api.refused", team=token.team if token is not None else None, actor=actor,
+                         target=f"{request.method} {request.path}", outcome="refused", message=message,
+                         status=status, route=f"{key[0]} {key[1]}" if key else "")  # fmt: skip
+        except Exception:  # the answer to the caller matters more than this record
+            log.exception("could not record a refused request in the audit log")
+        finally:
+            close_old_connections()
+
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:  # a sync view: write here
+        write()
+        return
+    # An async view's handler runs on the event loop, where the ORM may not: one insert, on a
+    # thread of its own, waited for (so the record exists once the caller has the answer).
+    t = threading.Thread(target=write, name="audit-refusal")
+    t.start()
+    t.join(timeout=10)
 
 
 @api.exception_handler(AuthenticationError)
@@ -42,10 +83,13 @@ def validation_error(request: HttpRequest, exc: ValidationError) -> HttpResponse
     return api.create_response(request, {"detail": "; ".join(messages), "errors": exc.errors}, status=422)
 
 
+from .audit import router as audit_router  # noqa: E402
 from .images import router as images_router  # noqa: E402
 from .pools import router as pools_router  # noqa: E402
 from .processes import router as processes_router  # noqa: E402
 from .sandboxes import router as sandboxes_router  # noqa: E402
+from .secrets import router as secrets_router  # noqa: E402
+from .site import router as site_router  # noqa: E402
 from .system import router as system_router  # noqa: E402
 from .teams import router as teams_router  # noqa: E402
 from .tokens import router as tokens_router  # noqa: E402
@@ -58,4 +102,7 @@ api.add_router("/volumes", volumes_router)
 api.add_router("/pools", pools_router)
 api.add_router("/tokens", tokens_router)
 api.add_router("/teams", teams_router)
+api.add_router("/secrets", secrets_router)
+api.add_router("/audit", audit_router)
+api.add_router("/site", site_router)
 api.add_router("", system_router)

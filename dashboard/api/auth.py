@@ -5,6 +5,7 @@ from typing import Any
 from django.http import HttpRequest
 from ninja.security import HttpBearer
 
+from runtime.services import audit
 from runtime.services.auth import token_authenticate
 
 from .permissions import check
@@ -18,5 +19,9 @@ class TokenAuth(HttpBearer):
     def authenticate(self, request: HttpRequest, token: str) -> Any:
         found = token_authenticate(token)
         if found is not None:
+            # Who is acting, for the audit log: what this request changes is recorded as theirs.
+            actor = audit.for_token(found, ip=request.META.get("REMOTE_ADDR", ""))
+            request.audit_actor, request.audit_token = actor, found  # type: ignore[attr-defined]
+            audit.set_actor(actor)
             check(request, found)
         return found

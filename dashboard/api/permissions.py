@@ -30,6 +30,10 @@ def _read(resource: str) -> Rule:
     return Rule(f"{resource}:read", "viewer")
 
 
+def _read_as(resource: str, role: str) -> Rule:
+    return Rule(f"{resource}:read", role)
+
+
 def _write(resource: str, role: str = "member") -> Rule:
     return Rule(f"{resource}:write", role)
 
@@ -83,6 +87,28 @@ RULES: dict[tuple[str, str], Rule] = {
     ("POST", "/teams/{team_id}/members"): _write("teams", "admin"),
     ("PATCH", "/teams/{team_id}/members/{username}"): _write("teams", "admin"),
     ("DELETE", "/teams/{team_id}/members/{username}"): _write("teams", "viewer"),
+    ("GET", "/teams/{team_id}/invitations"): _read_as("teams", "admin"),
+    ("POST", "/teams/{team_id}/invitations"): _write("teams", "admin"),
+    ("DELETE", "/teams/{team_id}/invitations/{invitation_id}"): _write("teams", "admin"),
+    ("GET", "/teams/{team_id}/quotas"): _read("teams"),
+    ("PUT", "/teams/{team_id}/quotas"): _write("teams", "admin"),
+    ("PUT", "/teams/{team_id}/quotas/ceilings"): Rule("teams:write", "viewer", staff=True),
+    # What a team spends is for its admins.
+    ("GET", "/teams/{team_id}/usage"): _read_as("teams", "admin"),
+    ("GET", "/teams/{team_id}/budget"): _read_as("teams", "admin"),
+    ("PUT", "/teams/{team_id}/budget"): _write("teams", "admin"),
+    ("GET", "/teams/{team_id}/rates"): _read("teams"),
+    ("PUT", "/teams/{team_id}/rates"): Rule("teams:write", "viewer", staff=True),
+    # Secrets: anyone in the team sees the names (to give them to sandboxes); admins manage them.
+    ("GET", "/secrets"): _read("secrets"),
+    ("POST", "/secrets"): _write("secrets", "admin"),
+    ("PUT", "/secrets/{name}"): _write("secrets", "admin"),
+    ("DELETE", "/secrets/{name}"): _write("secrets", "admin"),
+    ("GET", "/audit"): _read_as("audit", "admin"),
+    ("GET", "/site/quotas"): Rule("system:read", "viewer", staff=True),
+    ("PUT", "/site/quotas"): Rule("system:write", "viewer", staff=True),
+    ("GET", "/site/rates"): Rule("system:read", "viewer", staff=True),
+    ("PUT", "/site/rates"): Rule("system:write", "viewer", staff=True),
 }
 
 _CONVERTER = re.compile(r"<(?:\w+:)?(\w+)>")

@@ -41,6 +41,9 @@ class SandboxIn(Schema):
     memory_mb: int = 512
     timeout_s: int = 300
     env: dict[str, str] = {}
+    secrets: list[str] = Field(
+        [], max_length=100, description="team secrets to set as environment variables, by name"
+    )
     metadata: dict[str, Any] = {}
     volumes: list[VolumeMountIn] = Field([], max_length=16)
     ephemeral: bool = Field(False, description="keep nothing outside volumes when paused")
@@ -70,6 +73,7 @@ class SandboxOut(Schema):
     stopped_at: datetime | None
     expires_at: datetime | None
     metadata: dict[str, Any]
+    secrets: list[str] = Field(description="names of the team secrets it was given (values never come back)")
     volumes: list[VolumeMountOut]
     ephemeral: bool
     on_expire: str
@@ -181,7 +185,7 @@ async def create_sandbox(request: HttpRequest, payload: SandboxIn):
             timeout_s=payload.timeout_s, env=payload.env, metadata=payload.metadata,
             volumes=[volume_svc.VolumeMount(v.volume, v.mount_path, v.read_only) for v in payload.volumes],
             ephemeral=payload.ephemeral, on_expire=payload.on_expire, idle_timeout_s=payload.idle_timeout_s,
-            pause_mode=payload.pause_mode,
+            pause_mode=payload.pause_mode, secrets=payload.secrets,
         )  # fmt: skip
         if payload.wait and sandbox.status not in svc.SETTLED:  # a claimed pool member already runs
             sandbox = svc.sandbox_wait(sandbox=sandbox, timeout=settings.HANGAR_CREATE_WAIT_S)

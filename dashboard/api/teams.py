@@ -4,12 +4,15 @@ from __future__ import annotations
 
 from datetime import datetime
 
-from django.http import HttpRequest
-from ninja import Field, Router, Schema
+from django.http import HttpRequest, HttpResponse
+from django.urls import reverse
+from ninja import Body, Field, Query, Router, Schema
 
-from runtime.errors import Forbidden
-from runtime.models import Membership
+from runtime.errors import InvalidValue, NotFound
+from runtime.models import Invitation, Membership, Team
 from runtime.services import auth as auth_svc
+from runtime.services import quotas as quota_svc
+from runtime.services import usage as usage_svc
 
 from .blocking import blocking
 
@@ -63,7 +66,7 @@ async def create_team(request: HttpRequest, payload: TeamIn):
         if payload.owner:
             owner = get_user_model().objects.filter(username=payload.owner).first()
             if owner is None:
-                raise Forbidden(f"no user named {payload.owner!r}")
+                raise NotFound(f"no user named {payload.owner!r}")
         return auth_svc.team_create(name=payload.name, owner=owner)
 
     return 201, await blocking(create)()
@@ -111,4 +114,161 @@ async def remove_member(request: HttpRequest, team_id: int, username: str):
         auth_svc.member_remove(caller=request.auth, team=team, username=username)  # type: ignore[arg-type]
 
     await blocking(remove)()
+    return 204, None
+
+
+def _team(request: HttpRequest, team_id: int) -> tuple[Team, str]:
+    """The team (as :func:`auth_svc.team_for_caller`) and the caller's role in it."""
+    caller = request.auth  # type: ignore[attr-defined]
+    team = auth_svc.team_for_caller(caller=caller, team_id=team_id)
+    return team, auth_svc.caller_role(caller, team)
+
+
+# -- quotas ---------------------------------------------------------------------------------
+
+
+class QuotaOut(Schema):
+    label: str
+    unit: str
+    limit: float
+    ceiling: float
+    used: float | None
+
+
+@router.get("/{team_id}/quotas", response=dict[str, QuotaOut])
+async def get_quotas(request: HttpRequest, team_id: int):
+    """Each quota's limit, the site's ceiling for it and what the team uses now."""
+    return await blocking(lambda: quota_svc.report(_team(request, team_id)[0]))()
+
+
+@router.put("/{team_id}/quotas", response=dict[str, QuotaOut])
+async def set_quotas(request: HttpRequest, team_id: int, payload: Body[dict[str, float | int | None]]):
+    """Admins: `{"sandboxes": 10, "vcpu": 8, "memory_mb": 16384, …}` (null: back to the ceiling).
+    Each at most its ceiling; site administrators may go above (the ceiling follows)."""
+
+    def put():
+        team, role = _team(request, team_id)
+        return quota_svc.limits_set(team=team, values=payload, role=role, staff=request.auth.user.is_staff)  # type: ignore[attr-defined]
+
+    return await blocking(put)()
+
+
+@router.put("/{team_id}/quotas/ceilings", response=dict[str, QuotaOut])
+async def set_ceilings(request: HttpRequest, team_id: int, payload: Body[dict[str, float | int | None]]):
+    """Site administrators: the most this team's admins may set (null: the site default)."""
+    return await blocking(lambda: quota_svc.ceilings_set(team=_team(request, team_id)[0], values=payload))()
+
+
+# -- usage, cost and budget -----------------------------------------------------------------
+
+
+class UsageQuery(Schema):
+    from_: str | None = Field(None, alias="from", description="ISO date or time (default: 7 days ago)")
+    to: str | None = Field(None, description="ISO date or time (default: now)")
+    format: str = Field("json", description="json or csv")
+
+
+class BudgetIn(Schema):
+    amount: float | None = Field(description="per calendar month (UTC), in the rates' currency; null: none")
+    enforced: bool | None = Field(None, description="at 100%: refuse new sandboxes")
+
+
+@router.get("/{team_id}/usage")
+async def get_usage(request: HttpRequest, team_id: int, q: Query[UsageQuery]):
+    """Admins: hourly usage (vCPU-seconds, memory GB-seconds, storage GB-hours, GPU-seconds,
+    sandboxes started) with cost at the team's rates, totals and the month's budget."""
+
+    def read():
+        team = _team(request, team_id)[0]
+        start, end = usage_svc.parse_range(q.from_, q.to)
+        if q.format not in ("json", "csv"):
+            raise InvalidValue(f"format is json or csv, got {q.format!r}")
+        return usage_svc.report(team, start, end)
+
+    data = await blocking(read)()
+    if q.format == "csv":
+        response = HttpResponse(usage_svc.report_csv(data), content_type="text/csv; charset=utf-8")
+        response["Content-Disposition"] = f'attachment; filename="hangar-usage-{data["team"]}.csv"'
+        return response
+    return data
+
+
+@router.get("/{team_id}/budget")
+async def get_budget(request: HttpRequest, team_id: int):
+    return await blocking(lambda: usage_svc.budget_of(_team(request, team_id)[0]).as_dict())()
+
+
+@router.put("/{team_id}/budget")
+async def set_budget(request: HttpRequest, team_id: int, payload: BudgetIn):
+    """Admins: the team's monthly budget; warned at 80%, new sandboxes refused at 100% if enforced."""
+    return await blocking(
+        lambda: usage_svc.budget_set(team=_team(request, team_id)[0], amount=payload.amount,
+                                     enforced=payload.enforced).as_dict()
+    )()  # fmt: skip
+
+
+@router.get("/{team_id}/rates", response=dict[str, float])
+async def get_rates(request: HttpRequest, team_id: int):
+    """The team's cost rates (per vCPU-hour, memory GB-hour, storage GB-hour, GPU-hour)."""
+    return await blocking(lambda: usage_svc.rates_for(_team(request, team_id)[0]))()
+
+
+@router.put("/{team_id}/rates", response=dict[str, float])
+async def set_rates(request: HttpRequest, team_id: int, payload: Body[dict[str, float | None]]):
+    """Site administrators: this team's rates over the site's (null: the site's)."""
+    return await blocking(lambda: usage_svc.rates_set(team=_team(request, team_id)[0], values=payload))()
+
+
+# -- invitations ----------------------------------------------------------------------------
+
+
+class InvitationIn(Schema):
+    role: str = "member"
+    expires_in_s: int | None = Field(None, description="default: HANGAR_INVITATION_TTL_S (7 days)")
+
+
+class InvitationOut(Schema):
+    id: int
+    role: str
+    created_by: str | None
+    created_at: datetime
+    expires_at: datetime
+
+    @staticmethod
+    def resolve_created_by(obj: Invitation | dict) -> str | None:
+        user = obj["created_by"] if isinstance(obj, dict) else obj.created_by
+        return user if user is None or isinstance(user, str) else user.get_username()
+
+
+class InvitationCreatedOut(InvitationOut):
+    url: str = Field(description="the link to give the person invited: shown this once")
+
+
+@router.get("/{team_id}/invitations", response=list[InvitationOut])
+async def list_invitations(request: HttpRequest, team_id: int):
+    """Admins: invitations not yet used, revoked or expired."""
+    return await blocking(lambda: list(auth_svc.invitations_open(team=_team(request, team_id)[0])))()
+
+
+@router.post("/{team_id}/invitations", response={201: InvitationCreatedOut})
+async def create_invitation(request: HttpRequest, team_id: int, payload: InvitationIn):
+    """Admins: a link that adds whoever opens it (signed in, or signing up) with `role`."""
+
+    def create() -> dict:
+        team, role = _team(request, team_id)
+        issued = auth_svc.invitation_create(inviter_role=role, user=request.auth.user, team=team,  # type: ignore[attr-defined]
+                                            role=payload.role, expires_in_s=payload.expires_in_s)  # fmt: skip
+        inv = issued.invitation
+        return {"id": inv.id, "role": inv.role, "created_by": request.auth.user.get_username(),  # type: ignore[attr-defined]
+                "created_at": inv.created_at, "expires_at": inv.expires_at,
+                "url": request.build_absolute_uri(reverse("invitation", args=[issued.raw]))}  # fmt: skip
+
+    return 201, await blocking(create)()
+
+
+@router.delete("/{team_id}/invitations/{invitation_id}", response={204: None})
+async def revoke_invitation(request: HttpRequest, team_id: int, invitation_id: int):
+    await blocking(
+        lambda: auth_svc.invitation_revoke(team=_team(request, team_id)[0], invitation_id=invitation_id)
+    )()
     return 204, None

@@ -364,7 +364,7 @@ class GVisorLauncher(Launcher):
         for attempt in range(3):
             marker.touch()
             try:
-                self._client(handle).quiesce()
+                self._quiesce_agent(handle)
                 return
             except agent_client.AgentError as exc:
                 marker.unlink(missing_ok=True)
@@ -413,6 +413,22 @@ class GVisorLauncher(Launcher):
     def _relisten(self, sandbox_id: str) -> None:
         # SIGUSR2 to PID 1, the agent: listen again (see the agent's op_quiesce).
         _run(self._runsc("kill", sandbox_id, "USR2"), check=False)
+
+    def _quiesce_agent(self, handle: Handle) -> None:
+        """Ask the agent to stop listening (op_quiesce). Whether it then quiesced or not (a
+        connection stayed open: EBUSY), it closed its listening socket and unlinked it inside
+        the sandbox; but gVisor leaves the host's file of a socket bound through the gofer in
+        place, and while that file is there the agent cannot bind a new socket at the path
+        (EPERM) and connecting to it is refused: the sandbox would be unreachable for good
+        once a checkpoint did not happen. So the host's file goes as soon as the agent has
+        answered; its next try to listen (on SIGUSR2, or at once after a failed quiesce) binds
+        a fresh one."""
+        try:
+            self._client(handle).quiesce()
+        except agent_client.AgentFileError:  # it answered: not listening any more
+            _unlink_socket(handle["socket"])
+            raise
+        _unlink_socket(handle["socket"])
 
     def _start(self, d: Path, sandbox_id: str, *args: str) -> None:
         """``runsc run|restore --detach``; raises LauncherError with runsc's words."""
@@ -723,6 +739,11 @@ def _cgroup_dirs(sandbox_id: str) -> list[Path]:
     return [
         r / CGROUP_PARENT / sandbox_id for r in _cgroup_roots() if (r / CGROUP_PARENT / sandbox_id).is_dir()
     ]
+
+
+def _unlink_socket(path: str) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
 
 
 def _tree_mb(path: Path) -> int:

@@ -13,6 +13,7 @@ import secrets
 from dataclasses import dataclass
 from datetime import timedelta
 
+from django.conf import settings
 from django.contrib.auth import get_user_model
 from django.contrib.auth.models import AbstractBaseUser
 from django.db import IntegrityError, transaction
@@ -20,11 +21,14 @@ from django.db.models import OuterRef, QuerySet, Subquery
 from django.utils import timezone
 
 from ..errors import BadRequest, Conflict, Forbidden, InvalidValue, NotFound
-from ..models import ApiToken, Membership, Team
+from ..models import ApiToken, Invitation, Membership, Team
+from . import audit
 
 TOKEN_PREFIX = "hgr_"
 ROLES = ("viewer", "member", "admin", "owner")
-RESOURCES = ("sandboxes", "volumes", "pools", "images", "tokens", "teams", "system", "harnesses")
+RESOURCES = (
+    "sandboxes", "volumes", "pools", "images", "tokens", "teams", "secrets", "audit", "system", "harnesses"
+)  # fmt: skip
 SCOPES = (
     tuple(f"{r}:{a}" for r in RESOURCES for a in ("read", "write"))
     + tuple(f"{r}:*" for r in RESOURCES)
@@ -103,6 +107,8 @@ def token_create(
         scopes=validate_scopes(scopes),
         expires_at=timezone.now() + timedelta(seconds=expires_in_s) if expires_in_s else None,
     )
+    audit.record("token.create", team=team, target=f"token {token.id} ({token.prefix}…) of {user.get_username()}",
+                 name=token.name, role=role, scopes=token.scopes, expires_at=token.expires_at)  # fmt: skip
     return IssuedToken(token=token, raw=raw)
 
 
@@ -122,6 +128,8 @@ def token_revoke(*, caller: ApiToken, token_id: int) -> ApiToken:
     if token.revoked_at is None:
         token.revoked_at = timezone.now()
         ApiToken.objects.filter(id=token.id, revoked_at__isnull=True).update(revoked_at=token.revoked_at)
+        audit.record("token.revoke", team=token.team,
+                     target=f"token {token.id} ({token.prefix}…) of {token.user.get_username()}")  # fmt: skip
     return token
 
 
@@ -209,6 +217,7 @@ def team_create(*, name: str, owner: AbstractBaseUser) -> Team:
         with transaction.atomic():
             team = Team.objects.create(name=name)
             Membership.objects.create(user=owner, team=team, role=Membership.Role.OWNER)
+            audit.record("team.create", team=team, target=f"team {name}", owner=owner.get_username())
     except IntegrityError:
         raise Conflict(f"a team named {name!r} exists already") from None
     return team
@@ -231,7 +240,7 @@ def team_for_caller(*, caller: ApiToken, team_id: int) -> Team:
     raise NotFound(f"no team {team_id} that this token can see (it is for team {caller.team.name})")
 
 
-def _caller_role(caller: ApiToken, team: Team) -> str:
+def caller_role(caller: ApiToken, team: Team) -> str:
     if team.id == caller.team_id:
         return caller.effective_role
     return "owner" if caller.user.is_staff else "viewer"
@@ -249,7 +258,7 @@ def _owners(team: Team) -> int:
 def member_add(*, caller: ApiToken, team: Team, username: str, role: str) -> Membership:
     """Add a user to the team; an admin may give up to admin, only an owner may make owners."""
     _check_role_value(role)
-    mine = _caller_role(caller, team)
+    mine = caller_role(caller, team)
     if not role_at_least(mine, "admin"):
         raise Forbidden(f"only admins and owners manage members; you are {mine}")
     if not role_at_least(mine, role) or (role == "owner" and mine != "owner"):
@@ -259,7 +268,9 @@ def member_add(*, caller: ApiToken, team: Team, username: str, role: str) -> Mem
         raise NotFound(f"no user named {username!r}")
     try:
         with transaction.atomic():
-            return Membership.objects.create(user=user, team=team, role=role)
+            m = Membership.objects.create(user=user, team=team, role=role)
+            audit.record("member.add", team=team, target=username, role=role)
+            return m
     except IntegrityError:
         raise Conflict(f"{username} is already in team {team.name}") from None
 
@@ -267,7 +278,7 @@ def member_add(*, caller: ApiToken, team: Team, username: str, role: str) -> Mem
 @transaction.atomic
 def member_set_role(*, caller: ApiToken, team: Team, username: str, role: str) -> Membership:
     _check_role_value(role)
-    mine = _caller_role(caller, team)
+    mine = caller_role(caller, team)
     m = Membership.objects.select_for_update().filter(team=team, user__username=username).first()
     if m is None:
         raise NotFound(f"{username} is not in team {team.name}")
@@ -277,6 +288,7 @@ def member_set_role(*, caller: ApiToken, team: Team, username: str, role: str) -
         raise Forbidden("only an owner can make an owner or change an owner's role")
     if m.role == "owner" and role != "owner" and _owners(team) == 1:
         raise Conflict(f"{username} is the last owner of team {team.name}: make someone else owner first")
+    audit.record("member.role", team=team, target=username, role_from=m.role, role=role)
     m.role = role
     m.save(update_fields=["role"])
     m.user  # noqa: B018 - loaded here, where the database may be used, for the answer
@@ -286,7 +298,7 @@ def member_set_role(*, caller: ApiToken, team: Team, username: str, role: str) -
 @transaction.atomic
 def member_remove(*, caller: ApiToken, team: Team, username: str) -> None:
     """Remove a member (admins; owners for owners); anyone may leave. The last owner stays."""
-    mine = _caller_role(caller, team)
+    mine = caller_role(caller, team)
     m = Membership.objects.select_for_update().filter(team=team, user__username=username).first()
     if m is None:
         raise NotFound(f"{username} is not in team {team.name}")
@@ -298,4 +310,87 @@ def member_remove(*, caller: ApiToken, team: Team, username: str) -> None:
             raise Forbidden("only an owner can remove an owner")
     if m.role == "owner" and _owners(team) == 1:
         raise Conflict(f"{username} is the last owner of team {team.name}: make someone else owner first")
+    audit.record("member.leave" if leaving else "member.remove", team=team, target=username, role=m.role)
     m.delete()
+
+
+# -- invitations ----------------------------------------------------------------------------
+
+INVITE_PREFIX = "inv_"
+
+
+@dataclass
+class IssuedInvitation:
+    invitation: Invitation
+    raw: str
+
+
+def invitation_create(*, inviter_role: str, user: AbstractBaseUser, team: Team, role: str = "member",
+                      expires_in_s: int | None = None) -> IssuedInvitation:  # fmt: skip
+    """A link that adds whoever accepts it to ``team`` as ``role`` (admins: up to admin;
+    owners: owner too). The raw code is returned once; only its hash is kept."""
+    _check_role_value(role)
+    if not role_at_least(inviter_role, "admin"):
+        raise Forbidden(f"only admins and owners invite; you are {inviter_role}")
+    if role == "owner" and inviter_role != "owner":
+        raise Forbidden("only an owner can invite an owner")
+    ttl = expires_in_s if expires_in_s is not None else settings.HANGAR_INVITATION_TTL_S
+    if not 60 <= ttl <= 90 * 86400:
+        raise InvalidValue(f"expires_in_s must be between 60 and {90 * 86400} (90 days), got {ttl}")
+    raw = INVITE_PREFIX + secrets.token_urlsafe(24)
+    inv = Invitation.objects.create(
+        team=team, role=role, token_hash=_hash(raw), expires_at=timezone.now() + timedelta(seconds=ttl),
+        created_by=user if getattr(user, "is_authenticated", False) else None,
+    )  # fmt: skip
+    audit.record(
+        "invitation.create", team=team, target=f"invitation {inv.id}", role=role, expires_at=inv.expires_at
+    )
+    return IssuedInvitation(invitation=inv, raw=raw)
+
+
+def invitations_open(*, team: Team) -> QuerySet[Invitation]:
+    return Invitation.objects.filter(
+        team=team, accepted_at__isnull=True, revoked_at__isnull=True, expires_at__gt=timezone.now()
+    ).select_related("created_by")
+
+
+def invitation_revoke(*, team: Team, invitation_id: int) -> Invitation:
+    inv = Invitation.objects.filter(team=team, id=invitation_id).first()
+    if inv is None:
+        raise NotFound(f"no invitation {invitation_id} in team {team.name}")
+    if inv.revoked_at is None and inv.accepted_at is None:
+        inv.revoked_at = timezone.now()
+        inv.save(update_fields=["revoked_at"])
+        audit.record("invitation.revoke", team=team, target=f"invitation {inv.id}")
+    return inv
+
+
+def invitation_lookup(raw: str) -> Invitation:
+    """The open invitation for a link's code, or a NotFound that says why it cannot be used."""
+    inv = Invitation.objects.select_related("team").filter(token_hash=_hash(raw or "")).first()
+    if inv is None:
+        raise NotFound("this invitation link is not valid; ask for a new one")
+    if inv.revoked_at is not None:
+        raise NotFound("this invitation was revoked; ask for a new one")
+    if inv.accepted_at is not None:
+        raise NotFound("this invitation was already used; ask for a new one")
+    if inv.expires_at <= timezone.now():
+        raise NotFound("this invitation expired; ask for a new one")
+    return inv
+
+
+@transaction.atomic
+def invitation_accept(*, raw: str, user: AbstractBaseUser) -> Membership:
+    """Join the invitation's team (once: the row is locked and marked used). Someone already
+    in the team keeps their role; the invitation is still used up."""
+    inv = invitation_lookup(raw)
+    inv = Invitation.objects.select_for_update().get(id=inv.id)
+    if inv.accepted_at is not None or inv.revoked_at is not None:
+        raise NotFound("this invitation was already used; ask for a new one")
+    m, _ = Membership.objects.get_or_create(user=user, team=inv.team, defaults={"role": inv.role})
+    inv.accepted_at, inv.accepted_by = timezone.now(), user
+    inv.save(update_fields=["accepted_at", "accepted_by"])
+    audit.record(
+        "invitation.accept", team=inv.team, target=user.get_username(), invitation=inv.id, role=m.role
+    )
+    return m

@@ -20,9 +20,10 @@ from django.conf import settings
 from django.db import transaction
 from django.utils import timezone
 
-from ..errors import Conflict, InvalidValue, NoCapacity, NotFound
+from ..errors import Conflict, InvalidValue, NoCapacity, NotFound, QuotaExceeded
 from ..lifecycle import record_event
 from ..models import Pool, Sandbox, Team
+from . import audit
 from .images import image_resolve
 
 log = logging.getLogger(__name__)
@@ -77,6 +78,9 @@ def pool_create(
         team=team, image=image_row.name, runtime=runtime, cpu=cpu, memory_mb=memory_mb, size=size,
         created_by=user if user is not None and getattr(user, "is_authenticated", False) else None,
     )  # fmt: skip
+    audit.record(
+        "pool.create", team=team, target=pool.id, image=pool.image, cpu=cpu, memory_mb=memory_mb, size=size
+    )
     transaction.on_commit(lambda: _enqueue_refill(pool.id))
     return pool
 
@@ -86,6 +90,7 @@ def pool_resize(*, pool: Pool, size: int) -> Pool:
     if not isinstance(size, int) or not 1 <= size <= limit:
         raise InvalidValue(f"size must be between 1 and {limit}, got {size}")
     Pool.objects.filter(id=pool.id).update(size=size)
+    audit.record("pool.resize", team=pool.team, target=pool.id, size_from=pool.size, size=size)
     pool.size = size
     transaction.on_commit(lambda: _enqueue_refill(pool.id))
     return pool
@@ -101,6 +106,7 @@ def pool_delete(*, pool: Pool) -> None:
         .select_related("node")
     ):
         sandbox_delete(sandbox=member, reason=f"its warm pool {pool.id} was deleted")
+    audit.record("pool.delete", team=pool.team, target=pool.id)
     pool.delete()
 
 
@@ -123,7 +129,7 @@ def pool_refill(*, pool_id: str) -> int:
         try:
             sandbox_start_member(pool=pool)
             started += 1
-        except (NoCapacity, NotFound, InvalidValue) as exc:
+        except (NoCapacity, NotFound, InvalidValue, QuotaExceeded) as exc:
             error = exc.message
             break
     Pool.objects.filter(id=pool.id).update(last_error=error)

@@ -138,7 +138,8 @@ async def process_start(
     Without ``timeout_s`` it runs as long as the sandbox does."""
     _require_running(sandbox)
     argv, env, cwd = exec_validate(cmd=cmd, env=env, cwd=cwd, timeout_s=timeout_s)
-    env = {**sandbox.env, **env}  # a claimed pool member got its env after it started
+    # A claimed pool member got its env and secrets after it started: they come with each exec.
+    env = {**sandbox.env, **(await _secret_env(sandbox)), **env}
     if kind not in (Exec.Kind.STREAM, Exec.Kind.BACKGROUND):
         raise InvalidValue(f"kind must be stream or background, got {kind!r}")
     if stdin is not None and len(stdin) > MAX_INLINE_STDIN:
@@ -170,6 +171,12 @@ async def process_start(
     return row
 
 
+async def _secret_env(sandbox: Sandbox) -> dict[str, str]:
+    from . import secrets as secret_svc
+
+    return await _db(secret_svc.env_for)(sandbox) if sandbox.secrets else {}
+
+
 def _check_size(rows: int, cols: int) -> None:
     if not (1 <= rows <= 1000 and 1 <= cols <= 1000):
         raise InvalidValue(f"rows and cols must be between 1 and 1000, got {rows}x{cols}")
@@ -193,7 +200,13 @@ async def terminal_open(
     _check_size(rows, cols)
     if len(name) > 64:
         raise InvalidValue("name is limited to 64 characters")
-    env = {"TERM": "xterm-256color", "COLORTERM": "truecolor", **sandbox.env, **env}
+    env = {
+        "TERM": "xterm-256color",
+        "COLORTERM": "truecolor",
+        **sandbox.env,
+        **(await _secret_env(sandbox)),
+        **env,
+    }
 
     def create() -> Terminal:
         sandbox_mark_active(sandbox.id, sandbox.last_activity_at)

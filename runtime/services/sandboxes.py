@@ -36,6 +36,9 @@ from ..lifecycle import record_event, transition
 from ..models import Exec, Sandbox, Team
 from ..node import image_store, launcher_for, local_node_name
 from ..notify import wait_for_status
+from . import audit, quotas
+from . import secrets as secret_svc
+from . import usage as usage_svc
 from . import volumes as volume_svc
 from .images import image_resolve
 from .nodes import node_call, node_pick
@@ -111,6 +114,7 @@ def sandbox_create(
     on_expire: str = "destroy",
     idle_timeout_s: int | None = None,
     pause_mode: str = "stop",
+    secrets: list[str] | None = None,
 ) -> Sandbox:
     """Write a pending sandbox on a node with room (the node of its volumes, if it attaches
     any) and enqueue its provisioning on that node."""
@@ -124,6 +128,9 @@ def sandbox_create(
             f"idle_timeout_s must be between 10 and {settings.HANGAR_SANDBOX_MAX_TIMEOUT_S}, got {idle_timeout_s}"
         )
     _validate_pause_mode(pause_mode, runtime=runtime, ephemeral=ephemeral)
+    secret_names = secret_svc.validate_names(team=team, names=secrets or [], env=env)
+    quotas.check(team, lifetime_s=timeout_s)
+    usage_svc.budget_check(team)
     image_row = image_resolve(image)
     mounts = volume_svc.resolve_mounts(team=team, mounts=volumes or [])
     if not mounts and not ephemeral:
@@ -133,13 +140,17 @@ def sandbox_create(
         claimed = pool_claim(
             team=team, image=image_row.name, runtime=runtime, cpu=cpu, memory_mb=memory_mb,
             claim={"env": env, "metadata": metadata or {}, "timeout_s": timeout_s, "on_expire": on_expire,
-                   "idle_timeout_s": idle_timeout_s, "pause_mode": pause_mode,
+                   "idle_timeout_s": idle_timeout_s, "pause_mode": pause_mode, "secrets": secret_names,
                    "created_by": user if user is not None and user.is_authenticated else None},
         )  # fmt: skip
         if claimed is not None:
+            audit.record("sandbox.create", team=team, target=claimed.id, image=image_row.name, cpu=cpu,
+                         memory_mb=memory_mb, pool=claimed.pool_id, secrets=secret_names)  # fmt: skip
             return claimed
     now = timezone.now()
     with transaction.atomic():
+        quotas.lock_team(team)
+        quotas.check(team, sandboxes=1, vcpu=cpu, memory_mb=memory_mb)
         node = node_pick(
             runtime=runtime, cpu=cpu, memory_mb=memory_mb, image=image_row,
             node_id=volume_svc.volume_node_id(mounts),
@@ -155,6 +166,7 @@ def sandbox_create(
             memory_mb=memory_mb,
             timeout_s=timeout_s,
             env=env,
+            secrets=secret_names,
             metadata=metadata or {},
             ephemeral=ephemeral,
             on_expire=on_expire,
@@ -164,6 +176,9 @@ def sandbox_create(
         )
         volume_svc.attach(sandbox=sandbox, resolved=mounts)
         record_event(sandbox.id, "status", f"scheduled on node {node.name}", node=node.name)
+        audit.record("sandbox.create", team=team, target=sandbox.id, image=image_row.name, cpu=cpu,
+                     memory_mb=memory_mb, node=node.name, secrets=secret_names,
+                     volumes=[v.name for v, _ in mounts])  # fmt: skip
         transaction.on_commit(lambda: _enqueue("provision", sandbox.id, node.queue))
     return sandbox
 
@@ -206,6 +221,8 @@ def sandbox_start_member(*, pool: Any) -> Sandbox:
         # Locked, so a pool being deleted meanwhile gets no new member.
         if not Pool.objects.select_for_update().filter(id=pool.id).exists():
             raise NotFound(f"pool {pool.id} was deleted")
+        quotas.lock_team(pool.team)
+        quotas.check(pool.team, sandboxes=1, vcpu=pool.cpu, memory_mb=pool.memory_mb)
         node = node_pick(runtime=pool.runtime, cpu=pool.cpu, memory_mb=pool.memory_mb, image=image_row)
         sandbox = Sandbox.objects.create(
             team=pool.team, image=image_row.name, image_digest=image_row.digest, runtime=pool.runtime,
@@ -249,7 +266,7 @@ def _boot(sandbox_id: str, frm: str) -> None:
         rootfs=info.rootfs,
         cpu=sandbox.cpu,
         memory_mb=sandbox.memory_mb,
-        env={**image_env, **sandbox.env, "HANGAR_SANDBOX_ID": sandbox.id},
+        env={**image_env, **sandbox.env, **secret_svc.env_for(sandbox), "HANGAR_SANDBOX_ID": sandbox.id},
         hostname=sandbox.id,
         working_dir=info.config.get("working_dir") or "/",
     )
@@ -332,6 +349,7 @@ def sandbox_pause(*, sandbox: Sandbox, mode: str | None = None, reason: str = ""
                       fields={"paused_mode": mode}):  # fmt: skip
         raise Conflict(f"sandbox {sandbox.id} changed meanwhile; try again")
     assert sandbox.node is not None
+    audit.record("sandbox.pause", team=sandbox.team, target=sandbox.id, mode=mode, reason=reason)
     transaction.on_commit(lambda: _enqueue("suspend", sandbox.id, sandbox.node.queue))
     sandbox.status = S.PAUSING
     return sandbox
@@ -370,11 +388,14 @@ def sandbox_resume(*, sandbox: Sandbox) -> Sandbox:
                        status=sandbox.status)  # fmt: skip
     image_row = image_resolve(sandbox.image)
     with transaction.atomic():
+        quotas.lock_team(sandbox.team)
+        quotas.check(sandbox.team, sandboxes=1, vcpu=sandbox.cpu, memory_mb=sandbox.memory_mb)
         # Its files are on its node: it needs room there again (a paused sandbox held none).
         node = node_pick(runtime=sandbox.runtime, cpu=sandbox.cpu, memory_mb=sandbox.memory_mb,
                          image=image_row, node_id=sandbox.node_id)  # fmt: skip
         if not transition(sandbox.id, to=S.RESUMING, frm=[S.PAUSED], reason="resuming"):
             raise Conflict(f"sandbox {sandbox.id} changed meanwhile; try again")
+        audit.record("sandbox.resume", team=sandbox.team, target=sandbox.id)
         transaction.on_commit(lambda: _enqueue("resume", sandbox.id, node.queue))
     sandbox.status = S.RESUMING
     return sandbox
@@ -420,6 +441,8 @@ def sandbox_delete(*, sandbox: Sandbox, reason: str = "deleted") -> None:
         sandbox.refresh_from_db()
         if sandbox.status != S.STOPPING:
             return
+    else:
+        audit.record("sandbox.delete", team=sandbox.team, target=sandbox.id, reason=reason)
     if sandbox.node_id is None:
         transition(sandbox.id, to=S.DELETED, frm=[S.STOPPING], fields={"stopped_at": timezone.now()})
         return
@@ -439,6 +462,7 @@ def sandbox_stop(*, sandbox: Sandbox, reason: str = "stopped") -> None:
     )
     if not moved:
         return
+    audit.record("sandbox.stop", team=sandbox.team, target=sandbox.id, reason=reason)
     if sandbox.node_id is None:
         transition(sandbox.id, to=S.STOPPED, frm=[S.STOPPING], fields={"stopped_at": timezone.now()})
         return
@@ -465,6 +489,7 @@ def sandbox_keepalive(*, sandbox: Sandbox, timeout_s: int) -> Sandbox:
     limit = settings.HANGAR_SANDBOX_MAX_TIMEOUT_S
     if not 1 <= timeout_s <= limit:
         raise InvalidValue(f"timeout_s must be between 1 and {limit}, got {timeout_s}")
+    quotas.check(sandbox.team, lifetime_s=timeout_s)
     sandbox.expires_at = timezone.now() + timedelta(seconds=timeout_s)
     Sandbox.objects.filter(id=sandbox.id).update(expires_at=sandbox.expires_at, updated_at=timezone.now())
     record_event(sandbox.id, "keepalive", f"expiry extended to {timeout_s} s from now", timeout_s=timeout_s)
@@ -709,7 +734,8 @@ def sandbox_exec(
     _require_running(sandbox)
     sandbox_mark_active(sandbox.id, sandbox.last_activity_at)
     argv, env, cwd = exec_validate(cmd=cmd, env=env, cwd=cwd, timeout_s=timeout_s)
-    env = {**sandbox.env, **env}  # a claimed pool member got its env after it started
+    # A claimed pool member got its env and secrets after it started: they come with each exec.
+    env = {**sandbox.env, **secret_svc.env_for(sandbox), **env}
     # One row per exec, written once it has ended (one write on the hot path, not two).
     row = Exec(
         sandbox=sandbox, argv=argv, cwd=cwd or "", started_at=timezone.now(),

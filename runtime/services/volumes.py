@@ -23,6 +23,8 @@ from ..launchers.base import Mount
 from ..launchers.volumes import VolumeError
 from ..models import Node, Sandbox, SandboxVolume, Team, Volume
 from ..node import local_node_name, volume_store
+from . import audit, quotas
+from . import usage as usage_svc
 
 log = logging.getLogger(__name__)
 
@@ -81,6 +83,8 @@ def volume_create(
         raise NotFound(f"no node named {wanted!r}")
     try:
         with transaction.atomic():
+            quotas.lock_team(team)
+            quotas.check(team, storage_mb=size_mb)
             volume = Volume.objects.create(
                 team=team, name=name, size_mb=size_mb, node=node,
                 created_by=user if user is not None and getattr(user, "is_authenticated", False) else None,
@@ -92,6 +96,9 @@ def volume_create(
     except Exception:
         volume.delete()  # no data was made: the name is free again
         raise
+    audit.record(
+        "volume.create", team=team, target=f"{volume.name} ({volume.id})", size_mb=size_mb, node=node.name
+    )
     return volume
 
 
@@ -111,7 +118,10 @@ def volume_delete(*, volume: Volume) -> None:
             sandboxes=holders,
         )
     _on_node(volume, "delete", {})
-    volume.delete()
+    with transaction.atomic():
+        usage_svc.volume_final(volume)
+        audit.record("volume.delete", team=volume.team, target=f"{volume.name} ({volume.id})")
+        volume.delete()
 
 
 def volumes_reconcile() -> list[str]:

@@ -126,6 +126,22 @@
     });
   });
 
+  // "Copy" next to a value shown once (a new token, an invitation link).
+  document.addEventListener("click", function (evt) {
+    var btn = evt.target.closest ? evt.target.closest("[data-copy]") : null;
+    if (!btn) return;
+    var field = document.querySelector(btn.getAttribute("data-copy"));
+    if (!field) return;
+    field.select();
+    var done = function () { btn.textContent = "Copied"; };
+    if (navigator.clipboard && window.isSecureContext) {
+      navigator.clipboard.writeText(field.value).then(done, function () { document.execCommand("copy"); done(); });
+    } else {
+      document.execCommand("copy");
+      done();
+    }
+  });
+
   // Forms that work without htmx still ask before deleting.
   document.addEventListener("submit", function (evt) {
     var form = evt.target;

@@ -104,6 +104,12 @@ def test_cli_creates_users_teams_and_tokens_with_roles(transactional_db, capsys)
     raw = capsys.readouterr().out.strip().splitlines()[-1]
     token = auth_svc.token_authenticate(raw)
     assert token is not None and token.role == "viewer" and token.effective_role == "viewer"
+    # What the CLI changed is in the audit log as the CLI's.
+    from runtime.models import AuditEvent
+
+    made = AuditEvent.objects.get(action="token.create", team_name="research")
+    assert made.via == "cli" and made.actor.startswith("cli:") and raw not in str(made.data) + made.target
+    assert AuditEvent.objects.get(action="team.create").via == "cli"
 
 
 # -- teams and members -----------------------------------------------------------------------

@@ -500,6 +500,25 @@ def test_a_checkpointed_sandbox_can_be_destroyed_and_restore_needs_a_checkpoint(
     assert_nothing_left(launcher, spec.id)
 
 
+def test_a_sandbox_whose_checkpoint_did_not_happen_after_its_quiesce_is_reachable_again(launcher, sandbox):
+    """What a checkpoint does when the quiesce times out or runsc checkpoint fails: the agent
+    stopped listening, and must listen again (regression: gVisor left the host's socket file,
+    the agent's bind there failed with EPERM, and the sandbox was unreachable for good)."""
+    if not launcher.can_checkpoint:
+        pytest.skip(f"the {launcher.name} runtime has no checkpoints, so nothing quiesces its agent")
+    from runtime.launchers import agent_client
+
+    launcher._quiesce_agent(sandbox)
+    with pytest.raises(agent_client.AgentUnavailable):
+        launcher._client(sandbox).ping()
+    for _ in range(2):  # and a second time, as the checkpoint's retries do
+        launcher._relisten_and_wait(sandbox["id"], sandbox, 10.0)
+        assert run(launcher, sandbox, "echo back").stdout == b"back\n"
+        launcher._quiesce_agent(sandbox)
+    launcher._relisten_and_wait(sandbox["id"], sandbox, 10.0)
+    assert run(launcher, sandbox, "echo again").stdout == b"again\n"
+
+
 def assert_refuses_checkpoint(launcher, busybox) -> None:
     """A runtime without checkpoints says so, and leaves the sandbox running."""
     from runtime.launchers.base import LauncherError

@@ -1,0 +1,65 @@
+"""Team secrets: names come back, values never do (write-only, encrypted at rest)."""
+
+from __future__ import annotations
+
+from datetime import datetime
+
+from django.http import HttpRequest
+from ninja import Field, Router, Schema
+
+from runtime.models import Secret
+from runtime.services import secrets as secret_svc
+
+from .blocking import blocking
+
+router = Router(tags=["secrets"])
+
+
+class SecretIn(Schema):
+    name: str = Field(description="becomes the environment variable's name in sandboxes that ask for it")
+    value: str = Field(description="stored encrypted; never shown again")
+
+
+class SecretValueIn(Schema):
+    value: str
+
+
+class SecretOut(Schema):
+    name: str
+    created_by: str | None
+    created_at: datetime
+    updated_at: datetime
+
+    @staticmethod
+    def resolve_created_by(obj: Secret) -> str | None:
+        return obj.created_by.get_username() if obj.created_by else None
+
+
+@router.get("", response=list[SecretOut])
+async def list_secrets(request: HttpRequest):
+    """The team's secrets: names and dates only."""
+    return await blocking(lambda: list(secret_svc.secrets_for_team(team=request.auth.team)))()  # type: ignore[attr-defined]
+
+
+@router.post("", response={201: SecretOut})
+async def create_secret(request: HttpRequest, payload: SecretIn):
+    """Admins: a new secret. Give it to a sandbox with `"secrets": ["NAME"]` at create."""
+    return 201, await blocking(
+        lambda: secret_svc.secret_create(team=request.auth.team, name=payload.name, value=payload.value,  # type: ignore[attr-defined]
+                                         user=request.auth.user)  # type: ignore[attr-defined]
+    )()  # fmt: skip
+
+
+@router.put("/{name}", response=SecretOut)
+async def replace_secret(request: HttpRequest, name: str, payload: SecretValueIn):
+    """Admins: a new value (sandboxes started from now on get it)."""
+    return await blocking(
+        lambda: secret_svc.secret_replace(team=request.auth.team, name=name, value=payload.value)  # type: ignore[attr-defined]
+    )()
+
+
+@router.delete("/{name}", response={204: None})
+async def delete_secret(request: HttpRequest, name: str):
+    """Admins: delete it (running sandboxes keep what they were given at start)."""
+    await blocking(lambda: secret_svc.secret_delete(team=request.auth.team, name=name))()  # type: ignore[attr-defined]
+    return 204, None
