@@ -12,9 +12,11 @@ from django.core.asgi import get_asgi_application  # noqa: E402
 # web server or collectstatic step. A deployment behind nginx can serve STATIC_ROOT instead.
 django_app = ASGIStaticFilesHandler(get_asgi_application())
 
+from dashboard.preview import PreviewRouter  # noqa: E402
 from dashboard.routing import websocket_urlpatterns  # noqa: E402
 from dashboard.ws_auth import HangarAuthStack  # noqa: E402
 
-application = ProtocolTypeRouter(
-    {"http": django_app, "websocket": HangarAuthStack(URLRouter(websocket_urlpatterns))}
+# Preview URLs ({port}-{sandbox}.{HANGAR_PREVIEW_DOMAIN}) are picked by their Host first.
+application = PreviewRouter(
+    ProtocolTypeRouter({"http": django_app, "websocket": HangarAuthStack(URLRouter(websocket_urlpatterns))})
 )

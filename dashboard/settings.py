@@ -263,6 +263,13 @@ HANGAR_CURRENCY = env_str("HANGAR_CURRENCY", "USD")
 # run `hangar secrets rotate`, then drop the old one). Empty: one generated under the data dir.
 HANGAR_SECRETS_KEYS = [k.strip() for k in env_str("HANGAR_SECRETS_KEYS", "").split(",") if k.strip()]
 HANGAR_INVITATION_TTL_S = env_int("HANGAR_INVITATION_TTL_S", 7 * 86400, minimum=60)
+# Preview URLs: {scheme}://{port}-{sandbox id}.{domain}[:{port shown}]. *.localhost names the
+# loopback in browsers, so the default works on one machine with no DNS set up.
+HANGAR_PREVIEW_DOMAIN = env_str("HANGAR_PREVIEW_DOMAIN", "localhost").strip(".").lower()
+HANGAR_PREVIEW_SCHEME = env_str("HANGAR_PREVIEW_SCHEME", "http")
+HANGAR_PREVIEW_PORT = env_int("HANGAR_PREVIEW_PORT", env_int("HANGAR_PORT", 8000), minimum=0)
+HANGAR_PREVIEW_TOKEN_TTL_S = env_int("HANGAR_PREVIEW_TOKEN_TTL_S", 86400, minimum=60)
+HANGAR_PREVIEW_RESUME_WAIT_S = env_int("HANGAR_PREVIEW_RESUME_WAIT_S", 60, minimum=1)
 
 DATA_UPLOAD_MAX_MEMORY_SIZE = HANGAR_FILE_MAX_BYTES
 

@@ -246,6 +246,9 @@ class Sandbox(models.Model):
     secrets = models.JSONField(default=list, blank=True)
     # Usage is counted up to here while it holds CPU and memory (None: it holds none).
     metered_at = models.DateTimeField(null=True, blank=True)
+    # Ports of servers inside that have a preview URL: [{"port": 8000, "public": false}].
+    ports = models.JSONField(default=list, blank=True)
+    auto_resume = models.BooleanField(default=False)  # a preview request resumes it when paused
 
     class Meta:
         ordering = ["-created_at"]

@@ -149,3 +149,14 @@ def test_the_create_form_offers_the_teams_secrets_and_gives_the_chosen_ones(clie
                                     "timeout_s": "600", "secrets": ["API_KEY"]})  # fmt: skip
     assert r.status_code == 302, r.content[:300]
     assert Sandbox.objects.get(team=crew).secrets == ["API_KEY"]
+
+
+def test_the_sandbox_page_links_its_previews(client, crew):
+    from runtime.models import Sandbox
+
+    sb = Sandbox.objects.create(team=crew, image="busybox", image_digest="x", status="running",
+                                ports=[{"port": 8000, "public": False}, {"port": 3000, "public": True}])  # fmt: skip
+    client.force_login(_member("mel", crew, "member"))
+    page = client.get(f"/sandboxes/{sb.id}/").content.decode()
+    assert f'href="http://8000-{sb.id}.localhost:8000/?hangar_token=' in page
+    assert f'href="http://3000-{sb.id}.localhost:8000/"' in page and "(public)" in page

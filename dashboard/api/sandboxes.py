@@ -15,6 +15,7 @@ from runtime.errors import InvalidValue
 from runtime.models import Exec, Sandbox, SandboxEvent
 from runtime.services import sandboxes as svc
 from runtime.services import volumes as volume_svc
+from runtime.services.previews import port_expose, port_unexpose, previews_of
 
 from .blocking import blocking
 
@@ -34,6 +35,17 @@ class VolumeMountOut(Schema):
     read_only: bool
 
 
+class PortIn(Schema):
+    port: int
+    public: bool = Field(False, description="reachable without a token")
+
+
+class PreviewOut(Schema):
+    port: int
+    public: bool
+    url: str = Field(description="private ones carry a signed token, valid HANGAR_PREVIEW_TOKEN_TTL_S")
+
+
 class SandboxIn(Schema):
     image: str = Field(min_length=1, max_length=300)
     runtime: str = "gvisor"
@@ -45,6 +57,10 @@ class SandboxIn(Schema):
         [], max_length=100, description="team secrets to set as environment variables, by name"
     )
     metadata: dict[str, Any] = {}
+    ports: list[int | PortIn] = Field(
+        [], max_length=20, description="ports of servers inside to give preview URLs: 8000 or {port, public}"
+    )
+    auto_resume: bool = Field(False, description="a request to a preview URL resumes it when paused")
     volumes: list[VolumeMountIn] = Field([], max_length=16)
     ephemeral: bool = Field(False, description="keep nothing outside volumes when paused")
     on_expire: Literal["pause", "destroy"] = Field(
@@ -74,6 +90,8 @@ class SandboxOut(Schema):
     expires_at: datetime | None
     metadata: dict[str, Any]
     secrets: list[str] = Field(description="names of the team secrets it was given (values never come back)")
+    previews: list[PreviewOut] = Field(description="preview URLs of its exposed ports")
+    auto_resume: bool
     volumes: list[VolumeMountOut]
     ephemeral: bool
     on_expire: str
@@ -82,6 +100,10 @@ class SandboxOut(Schema):
     paused_mode: str = Field(description="while paused: stop or checkpoint, how it was paused")
     last_activity_at: datetime | None
     pool: str | None = Field(None, description="the warm pool it was claimed from")
+
+    @staticmethod
+    def resolve_previews(obj: Sandbox) -> list[PreviewOut]:
+        return [PreviewOut(port=p.port, public=p.public, url=p.url) for p in previews_of(obj)]
 
     @staticmethod
     def resolve_pool(obj: Sandbox) -> str | None:
@@ -185,7 +207,8 @@ async def create_sandbox(request: HttpRequest, payload: SandboxIn):
             timeout_s=payload.timeout_s, env=payload.env, metadata=payload.metadata,
             volumes=[volume_svc.VolumeMount(v.volume, v.mount_path, v.read_only) for v in payload.volumes],
             ephemeral=payload.ephemeral, on_expire=payload.on_expire, idle_timeout_s=payload.idle_timeout_s,
-            pause_mode=payload.pause_mode, secrets=payload.secrets,
+            pause_mode=payload.pause_mode, secrets=payload.secrets, auto_resume=payload.auto_resume,
+            ports=[p if isinstance(p, int) else p.dict() for p in payload.ports],
         )  # fmt: skip
         if payload.wait and sandbox.status not in svc.SETTLED:  # a claimed pool member already runs
             sandbox = svc.sandbox_wait(sandbox=sandbox, timeout=settings.HANGAR_CREATE_WAIT_S)
@@ -331,6 +354,29 @@ async def resume_sandbox(request: HttpRequest, sandbox_id: str, payload: ResumeI
         return _full.get(id=sandbox_id)
 
     return await blocking(resume)()
+
+
+@router.get("/{sandbox_id}/ports", response=list[PreviewOut])
+async def list_ports(request: HttpRequest, sandbox_id: str):
+    """The sandbox's preview URLs (private ones with a fresh signed token)."""
+    return await blocking(lambda: [p.__dict__ for p in previews_of(_get(request, sandbox_id))])()
+
+
+@router.post("/{sandbox_id}/ports", response={201: PreviewOut})
+async def expose_port(request: HttpRequest, sandbox_id: str, payload: PortIn):
+    """Give a port a preview URL, `https://{port}-{id}.{domain}` (or make it public or
+    private again): HTTP, streaming and websockets reach the server listening on it."""
+    return 201, await blocking(
+        lambda: (
+            port_expose(sandbox=_get(request, sandbox_id), port=payload.port, public=payload.public).__dict__
+        )
+    )()
+
+
+@router.delete("/{sandbox_id}/ports/{port}", response={204: None})
+async def unexpose_port(request: HttpRequest, sandbox_id: str, port: int):
+    await blocking(lambda: port_unexpose(sandbox=_get(request, sandbox_id), port=port))()
+    return 204, None
 
 
 @router.post("/{sandbox_id}/stop", response=SandboxOut)

@@ -26,6 +26,7 @@ request      fields                                        reply
 ``Q`` quiesce (none)                                       ``K`` once every connection is
                                                            closed; then the agent closes
 ``A`` attach pid (of a detached command)                   ``S`` pid, then as ``E`` goes on
+``T`` tunnel port (TCP, on the sandbox's loopback)              ``K``, then raw bytes both ways
 ===========  ============================================  ===================================
 
 While an exec runs the client may send ``I`` stdin bytes, ``C`` close stdin, ``Z`` resize
@@ -486,6 +487,19 @@ class AgentClient:
             _expect(*_read_frame(sock), b"K")
             while sock.recv(4096):  # the agent's close is the signal that all are closed
                 pass
+
+    def tunnel(self, port: int, io_timeout: float | None = None) -> socket.socket:
+        """A connection to TCP ``port`` on the sandbox's own loopback: after the agent's ``K``
+        it carries raw bytes both ways (a preview URL's server). Raises
+        :class:`AgentFileError` (``ECONNREFUSED``) when nothing listens there."""
+        sock = self._request(b"T", [("port", int(port))])
+        try:
+            _expect(*_read_frame(sock), b"K")
+            sock.settimeout(io_timeout)
+        except BaseException:
+            sock.close()
+            raise
+        return sock
 
     def attach(self, pid: int, io_timeout: float | None = None) -> socket.socket:
         """A new connection to the detached command ``pid``, its stream going on from here."""

@@ -115,6 +115,8 @@ def sandbox_create(
     idle_timeout_s: int | None = None,
     pause_mode: str = "stop",
     secrets: list[str] | None = None,
+    ports: list[Any] | None = None,
+    auto_resume: bool = False,
 ) -> Sandbox:
     """Write a pending sandbox on a node with room (the node of its volumes, if it attaches
     any) and enqueue its provisioning on that node."""
@@ -129,6 +131,9 @@ def sandbox_create(
         )
     _validate_pause_mode(pause_mode, runtime=runtime, ephemeral=ephemeral)
     secret_names = secret_svc.validate_names(team=team, names=secrets or [], env=env)
+    from .previews import validate_ports
+
+    port_list = validate_ports(ports or [])
     quotas.check(team, lifetime_s=timeout_s)
     usage_svc.budget_check(team)
     image_row = image_resolve(image)
@@ -141,6 +146,7 @@ def sandbox_create(
             team=team, image=image_row.name, runtime=runtime, cpu=cpu, memory_mb=memory_mb,
             claim={"env": env, "metadata": metadata or {}, "timeout_s": timeout_s, "on_expire": on_expire,
                    "idle_timeout_s": idle_timeout_s, "pause_mode": pause_mode, "secrets": secret_names,
+                   "ports": port_list, "auto_resume": auto_resume,
                    "created_by": user if user is not None and user.is_authenticated else None},
         )  # fmt: skip
         if claimed is not None:
@@ -167,6 +173,8 @@ def sandbox_create(
             timeout_s=timeout_s,
             env=env,
             secrets=secret_names,
+            ports=port_list,
+            auto_resume=auto_resume,
             metadata=metadata or {},
             ephemeral=ephemeral,
             on_expire=on_expire,

@@ -872,3 +872,68 @@ def test_a_live_command_may_be_silent_longer_than_the_request_timeout(agent: Run
     proc = c.open_process(["sh", "-c", "sleep 1; echo done"])
     out = list(proc.events())
     assert out[0] == ("stdout", b"done\n") and out[-1][1].code == 0
+
+
+# -- tunnels (preview URLs) -------------------------------------------------------------------
+
+
+def test_a_tunnel_carries_bytes_both_ways_with_half_closes(client: AgentClient) -> None:
+    """``T`` connects to a port on loopback and relays raw bytes: the request fully sent and
+    half-closed, the server's whole answer back, then the close."""
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(1)
+    port = server.getsockname()[1]
+    got: list[bytes] = []
+
+    def serve() -> None:
+        conn, _ = server.accept()
+        with conn:
+            data = b""
+            while chunk := conn.recv(65536):  # until the tunnel passes our half-close on
+                data += chunk
+            got.append(data)
+            conn.sendall(hashlib.sha256(data).digest() + data[::-1])
+
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+    payload = os.urandom(3 * 1024 * 1024)  # far more than the agent's buffers
+    with client.tunnel(port, io_timeout=10) as sock:
+        sender = threading.Thread(target=lambda: (sock.sendall(payload), sock.shutdown(socket.SHUT_WR)))
+        sender.start()
+        answer = b""
+        while chunk := sock.recv(65536):
+            answer += chunk
+        sender.join()
+    t.join(5)
+    server.close()
+    assert got == [payload]
+    assert answer == hashlib.sha256(payload).digest() + payload[::-1]
+
+
+def test_a_tunnel_to_a_port_nobody_listens_on_is_refused_clearly(client: AgentClient) -> None:
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()  # free, and nobody listens
+    with pytest.raises(AgentFileError) as info:
+        client.tunnel(port)
+    assert info.value.errno_name == "ECONNREFUSED" and f"port {port}" in str(info.value)
+    for bad in (0, 70000):
+        with pytest.raises(AgentFileError, match="port must be"):
+            client.tunnel(bad)
+
+
+def test_a_tunnel_ends_when_the_agent_quiesces(agent: RunningAgent) -> None:
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(1)
+    sock = agent.client.tunnel(server.getsockname()[1], io_timeout=10)
+    conn, _ = server.accept()
+    agent.client.quiesce()  # completes: the tunnel let go of its connection
+    assert sock.recv(1) == b""
+    conn.close()
+    server.close()
+    sock.close()
+    os.kill(agent.proc.pid, signal.SIGUSR2)  # listen again, for the next tests
+    agent.client.wait_ready(5)

@@ -30,6 +30,7 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <limits.h>
+#include <netinet/in.h>
 #include <stddef.h>
 #include <poll.h>
 #include <sched.h>
@@ -74,6 +75,7 @@
 #define SHUTDOWN_GRACE_MS 2000
 /* Quiesce (before a checkpoint): how long open connections get to close or detach. */
 #define QUIESCE_MS 3000
+#define TUNNEL_BUF (64 * 1024) /* per direction of a tunnel (op_tunnel) */
 /* A detached command nobody re-attached to is given up this long after it exited. */
 #define DETACHED_EXITED_MS (3600 * 1000)
 
@@ -2183,6 +2185,130 @@ static void op_quiesce(void)
         reply_error(EBUSY, "connections to the agent stayed open; the sandbox cannot be checkpointed now");
 }
 
+/* ---- tunnels (preview URLs) ------------------------------------------------------------ */
+
+/* One direction of a tunnel: bytes read from src wait in buf until written to dst. */
+struct pipe_dir {
+    int src, dst;
+    char *buf;
+    size_t len, off;
+    int eof; /* src said EOF (dst then gets a half-close once buf is written) */
+};
+
+static int pipe_read(struct pipe_dir *d)
+{
+    ssize_t n = recv(d->src, d->buf, TUNNEL_BUF, 0);
+    if (n > 0) {
+        d->len = (size_t)n;
+        d->off = 0;
+        return 0;
+    }
+    if (n < 0 && (errno == EAGAIN || errno == EINTR))
+        return 0;
+    d->eof = 1; /* EOF, or an error (ECONNRESET): either way nothing more comes */
+    shutdown(d->dst, SHUT_WR);
+    return n < 0 ? -1 : 0;
+}
+
+static int pipe_write(struct pipe_dir *d)
+{
+    ssize_t n = send(d->dst, d->buf + d->off, d->len - d->off, MSG_NOSIGNAL);
+    if (n < 0)
+        return errno == EAGAIN || errno == EINTR ? 0 : -1;
+    d->off += (size_t)n;
+    if (d->off == d->len) {
+        d->len = d->off = 0;
+        if (d->eof)
+            shutdown(d->dst, SHUT_WR);
+    }
+    return 0;
+}
+
+/* Relay bytes between the host's connection and the TCP connection until both directions
+ * have ended (half-closes are passed on), either side fails, or a quiesce asks us to let go. */
+static void tunnel_relay(int host, int tcp)
+{
+    static char up_buf[TUNNEL_BUF], down_buf[TUNNEL_BUF];
+    fcntl(tcp, F_SETFL, fcntl(tcp, F_GETFL) | O_NONBLOCK);
+    fcntl(host, F_SETFL, fcntl(host, F_GETFL) | O_NONBLOCK);
+    struct pipe_dir up = {.src = host, .dst = tcp, .buf = up_buf};
+    struct pipe_dir down = {.src = tcp, .dst = host, .buf = down_buf};
+    while (!(up.eof && !up.len && down.eof && !down.len)) {
+        if (g_detach_req || g_got_term)
+            return; /* a quiesce (or the end): a tunnel is not kept across a checkpoint */
+        struct pollfd p[2] = {{.fd = host}, {.fd = tcp}};
+        if (!up.eof && !up.len)
+            p[0].events |= POLLIN;
+        if (down.len)
+            p[0].events |= POLLOUT;
+        if (!down.eof && !down.len)
+            p[1].events |= POLLIN;
+        if (up.len)
+            p[1].events |= POLLOUT;
+        int n = poll(p, 2, 250);
+        if (n < 0 && errno != EINTR)
+            return;
+        if (n <= 0)
+            continue;
+        if ((p[0].revents & (POLLIN | POLLHUP | POLLERR)) && !up.eof && !up.len && pipe_read(&up) < 0)
+            return;
+        if ((p[1].revents & (POLLIN | POLLHUP | POLLERR)) && !down.eof && !down.len && pipe_read(&down) < 0)
+            return;
+        if ((p[1].revents & (POLLOUT | POLLERR | POLLHUP)) && up.len && pipe_write(&up) < 0)
+            return;
+        if ((p[0].revents & (POLLOUT | POLLERR | POLLHUP)) && down.len && pipe_write(&down) < 0)
+            return;
+    }
+}
+
+/* 'T': a TCP connection to a port of the sandbox's own loopback (a preview URL's server).
+ * Replies K once connected (F, with ECONNREFUSED, when nothing listens there: on 127.0.0.1
+ * nor ::1); from then on the connection carries the raw bytes both ways until both sides
+ * have closed. Only the sandbox's loopback is reachable this way, whatever its egress rules. */
+static void op_tunnel(const struct request *r)
+{
+    const char *port_s = req_get(r, "port");
+    char *end = NULL;
+    long port = port_s ? strtol(port_s, &end, 10) : -1;
+    if (!port_s || !*port_s || *end || port < 1 || port > 65535) {
+        reply_error(EINVAL, "port must be a number from 1 to 65535");
+        return;
+    }
+    int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    if (fd < 0) {
+        reply_errno(errno, "socket");
+        return;
+    }
+    struct sockaddr_in a4 = {.sin_family = AF_INET, .sin_port = htons((uint16_t)port)};
+    a4.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    int err = 0;
+    if (connect(fd, (struct sockaddr *)&a4, sizeof a4) < 0) {
+        err = errno;
+        close(fd);
+        /* A server listening only on ::1. */
+        fd = socket(AF_INET6, SOCK_STREAM | SOCK_CLOEXEC, 0);
+        struct sockaddr_in6 a6 = {.sin6_family = AF_INET6, .sin6_port = htons((uint16_t)port)};
+        a6.sin6_addr = in6addr_loopback;
+        if (fd >= 0 && connect(fd, (struct sockaddr *)&a6, sizeof a6) == 0) {
+            err = 0;
+        } else if (fd >= 0) {
+            close(fd);
+            fd = -1;
+        }
+    }
+    if (fd < 0 || err) {
+        reply_error(err ? err : ECONNREFUSED, "nothing accepts connections on port %ld in the sandbox (%s)",
+                    port, strerror(err ? err : ECONNREFUSED));
+        return;
+    }
+    reply_ok();
+    out_flush();
+    if (!g_out.failed)
+        tunnel_relay(g_out.fd, fd);
+    close(fd);
+    g_close_now = 1; /* everything was relayed already: no lingering */
+}
+
 /* Serves the one request of a connection; sock must be non-blocking (see read_full). */
 static void serve(int sock)
 {
@@ -2232,6 +2358,9 @@ static void serve(int sock)
             out_flush();
             close(sock); /* at once: the host checkpoints as soon as it sees this close */
             return;
+        case 'T':
+            op_tunnel(&req);
+            break;
         case 'A':
             if (op_attach(&req, sock) == 0)
                 return; /* the connection is the detached handler's now: just drop our copy */

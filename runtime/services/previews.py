@@ -1,0 +1,130 @@
+"""Preview URLs: a web server running inside a sandbox, reached at
+``{scheme}://{port}-{sandbox_id}.{HANGAR_PREVIEW_DOMAIN}``.
+
+The control plane proxies such requests (:mod:`dashboard.preview`) to the sandbox's agent,
+which connects to the port on the sandbox's own loopback (the agent's ``T`` tunnel): the
+server needs no network of its own and is reachable whatever the sandbox's egress rules.
+
+Access: a port is private unless exposed as public. A private preview takes a signed,
+expiring token (``?hangar_token=…`` in the URL Hangar hands out, then kept in a cookie for
+that host), or an API token of the sandbox's team (``Authorization: Bearer hgr_…``).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from django.conf import settings
+from django.core import signing
+from django.db import transaction
+
+from ..errors import Conflict, InvalidValue, NotFound
+from ..models import Sandbox
+from . import audit
+
+MAX_PORTS = 20
+TOKEN_PARAM = "hangar_token"
+COOKIE = "hangar_preview"
+_SALT = "hangar.preview"
+
+
+@dataclass(frozen=True)
+class Preview:
+    port: int
+    public: bool
+    url: str
+
+
+def host_pattern() -> re.Pattern[str]:
+    return re.compile(
+        rf"^(\d{{1,5}})-([a-z0-9]{{3,32}})\.{re.escape(settings.HANGAR_PREVIEW_DOMAIN)}(?::\d+)?$"
+    )
+
+
+def parse_host(host: str) -> tuple[int, str] | None:
+    """``(port, sandbox_id)`` for a preview host name, else None."""
+    m = host_pattern().match((host or "").lower())
+    if not m:
+        return None
+    port = int(m.group(1))
+    return (port, m.group(2)) if 1 <= port <= 65535 else None
+
+
+def base_url(sandbox_id: str, port: int) -> str:
+    shown = settings.HANGAR_PREVIEW_PORT
+    default = {"http": 80, "https": 443}.get(settings.HANGAR_PREVIEW_SCHEME)
+    suffix = f":{shown}" if shown and shown != default else ""
+    return f"{settings.HANGAR_PREVIEW_SCHEME}://{port}-{sandbox_id}.{settings.HANGAR_PREVIEW_DOMAIN}{suffix}"
+
+
+def sign(sandbox_id: str, port: int) -> str:
+    return signing.TimestampSigner(salt=_SALT).sign(f"{sandbox_id}:{port}")
+
+
+def verify(token: str, sandbox_id: str, port: int) -> bool:
+    """A signed preview token for exactly this sandbox and port, not expired."""
+    try:
+        value = signing.TimestampSigner(salt=_SALT).unsign(token, max_age=settings.HANGAR_PREVIEW_TOKEN_TTL_S)
+    except signing.BadSignature:  # SignatureExpired is one
+        return False
+    return value == f"{sandbox_id}:{port}"
+
+
+def previews_of(sandbox: Sandbox) -> list[Preview]:
+    """The sandbox's preview URLs; a private one carries a fresh signed token."""
+    out = []
+    for p in sandbox.ports or []:
+        url = base_url(sandbox.id, p["port"]) + "/"
+        if not p.get("public"):
+            url += f"?{TOKEN_PARAM}={sign(sandbox.id, p['port'])}"
+        out.append(Preview(port=p["port"], public=bool(p.get("public")), url=url))
+    return out
+
+
+def validate_ports(ports: list[Any]) -> list[dict[str, Any]]:
+    """``[8000, {"port": 3000, "public": true}]`` → ``[{"port", "public"}]``, checked."""
+    if not isinstance(ports, list):
+        raise InvalidValue("ports is a list of port numbers (or {port, public} objects)")
+    out: dict[int, dict[str, Any]] = {}
+    for item in ports:
+        port, public = (
+            (item.get("port"), bool(item.get("public", False))) if isinstance(item, dict) else (item, False)
+        )
+        if isinstance(port, bool) or not isinstance(port, int) or not 1 <= port <= 65535:
+            raise InvalidValue(f"a port is a number from 1 to 65535, got {port!r}")
+        out[port] = {"port": port, "public": public}
+    if len(out) > MAX_PORTS:
+        raise InvalidValue(f"at most {MAX_PORTS} ports can have preview URLs")
+    return sorted(out.values(), key=lambda p: p["port"])
+
+
+def port_expose(*, sandbox: Sandbox, port: int, public: bool = False) -> Preview:
+    """Give ``port`` a preview URL (or change whether it is public)."""
+    (entry,) = validate_ports([{"port": port, "public": public}])
+    with transaction.atomic():
+        row = Sandbox.objects.select_for_update().get(id=sandbox.id)
+        if row.status == Sandbox.Status.DELETED:
+            raise Conflict(f"sandbox {sandbox.id} is deleted", status=row.status)
+        ports = [p for p in row.ports or [] if p["port"] != port] + [entry]
+        row.ports = validate_ports(ports)
+        row.save(update_fields=["ports", "updated_at"])
+        audit.record("sandbox.port", team=row.team, target=sandbox.id, port=port, public=public)
+    sandbox.ports = row.ports
+    return next(p for p in previews_of(sandbox) if p.port == port)
+
+
+def port_unexpose(*, sandbox: Sandbox, port: int) -> None:
+    with transaction.atomic():
+        row = Sandbox.objects.select_for_update().get(id=sandbox.id)
+        if not any(p["port"] == port for p in row.ports or []):
+            raise NotFound(f"port {port} of sandbox {sandbox.id} has no preview URL")
+        row.ports = [p for p in row.ports if p["port"] != port]
+        row.save(update_fields=["ports", "updated_at"])
+        audit.record("sandbox.unport", team=row.team, target=sandbox.id, port=port)
+    sandbox.ports = row.ports
+
+
+def port_entry(sandbox: Sandbox, port: int) -> dict[str, Any] | None:
+    return next((p for p in sandbox.ports or [] if p["port"] == port), None)
