@@ -26,6 +26,15 @@ class SandboxCreateForm(forms.Form):
         label="Pause when idle for (s)", required=False, min_value=10,
         widget=forms.NumberInput(attrs={"placeholder": "never", "min": "10"}),
     )  # fmt: skip
+    egress = forms.ChoiceField(
+        label="Network", initial="none", required=False,
+        choices=[("none", "none (loopback only)"), ("allowlist", "only the hosts allowed"), ("all", "the internet")],
+    )  # fmt: skip
+    allow = forms.CharField(
+        label="Allowed hosts", required=False,
+        widget=forms.TextInput(attrs={"placeholder": "registry.npmjs.org:443 github.com 10.20.0.0/16",
+                                      "spellcheck": "false", "autocapitalize": "none"}),
+    )  # fmt: skip
     secrets = forms.MultipleChoiceField(
         required=False, widget=forms.CheckboxSelectMultiple,
         help_text="team secrets, set as environment variables of the same names",
@@ -48,6 +57,8 @@ class SandboxCreateForm(forms.Form):
         ("an ephemeral sandbox", "pause_mode"),
         ("env", "env"),
         ("team ", "secrets"),
+        ("network: allow", "allow"),
+        ("network:", "egress"),
         ("unknown image", "image"),
         ("image", "image"),
         ("no online node runs runtime", "runtime"),

@@ -265,6 +265,12 @@ HANGAR_SECRETS_KEYS = [k.strip() for k in env_str("HANGAR_SECRETS_KEYS", "").spl
 HANGAR_INVITATION_TTL_S = env_int("HANGAR_INVITATION_TTL_S", 7 * 86400, minimum=60)
 # Preview URLs: {scheme}://{port}-{sandbox id}.{domain}[:{port shown}]. *.localhost names the
 # loopback in browsers, so the default works on one machine with no DNS set up.
+# Sandbox networks: each sandbox with egress gets a /30 from this pool; the exceptions are
+# CIDRs taken out of the always-denied ranges (a registry on the management network, say).
+HANGAR_NETWORK_POOL = env_str("HANGAR_NETWORK_POOL", "10.88.0.0/16")
+HANGAR_NETWORK_EXCEPTIONS = [
+    c.strip() for c in env_str("HANGAR_NETWORK_EXCEPTIONS", "").split(",") if c.strip()
+]
 HANGAR_PREVIEW_DOMAIN = env_str("HANGAR_PREVIEW_DOMAIN", "localhost").strip(".").lower()
 HANGAR_PREVIEW_SCHEME = env_str("HANGAR_PREVIEW_SCHEME", "http")
 HANGAR_PREVIEW_PORT = env_int("HANGAR_PREVIEW_PORT", env_int("HANGAR_PORT", 8000), minimum=0)

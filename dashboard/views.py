@@ -261,6 +261,8 @@ def sandboxes(request: HttpRequest) -> HttpResponse:
                     cpu=data["cpu"], memory_mb=data["memory_mb"], timeout_s=data["timeout_s"], env=data["env"],
                     on_expire=data.get("on_expire") or "destroy", idle_timeout_s=data.get("idle_timeout_s"),
                     pause_mode=data.get("pause_mode") or "stop", secrets=list(data.get("secrets") or []),
+                    network={"egress": data.get("egress") or "none",
+                             "allow": (data.get("allow") or "").replace(",", " ").split()},
                 )  # fmt: skip
             except ServiceError as exc:
                 form.add_service_error(exc.message)

@@ -248,6 +248,8 @@ class Sandbox(models.Model):
     metered_at = models.DateTimeField(null=True, blank=True)
     # Ports of servers inside that have a preview URL: [{"port": 8000, "public": false}].
     ports = models.JSONField(default=list, blank=True)
+    # Egress: {"egress": "none" | "allowlist" | "all", "allow": [...]}; {} is none.
+    network = models.JSONField(default=dict, blank=True)
     auto_resume = models.BooleanField(default=False)  # a preview request resumes it when paused
 
     class Meta:

@@ -28,6 +28,8 @@ def launcher_for(runtime: str) -> Launcher:
             runsc=settings.HANGAR_RUNSC,
             platform=settings.HANGAR_RUNSC_PLATFORM,
             agent_cache_dir=str(settings.DATA_DIR / "bin"),
+            network_pool=settings.HANGAR_NETWORK_POOL,
+            network_exceptions=tuple(settings.HANGAR_NETWORK_EXCEPTIONS),
         )
     return get_launcher(runtime, state_dir=str(settings.HANGAR_RUNTIME_DIR / runtime))
 

@@ -15,6 +15,9 @@ have docker-registry || need+=(docker-registry)
 python3 -c 'import venv, ensurepip' 2>/dev/null || need+=(python3-venv)
 have ps || need+=(procps)
 have mkfs.ext4 || need+=(e2fsprogs)
+have nft || need+=(nftables)
+have ip || need+=(iproute2)
+have unshare || need+=(util-linux)
 if [ ${#need[@]} -gt 0 ]; then
   if [ "$(id -u)" != 0 ]; then
     echo "Hangar needs these Debian packages, and installing them needs root: ${need[*]}" >&2

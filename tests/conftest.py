@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -19,7 +20,7 @@ import pytest
 from runtime.launchers.agent.build import agent_binary
 from runtime.launchers.images import ImageStore
 
-from .support import die_with_parent, free_port, wait_until
+from .support import WORLD_A, WORLD_B, WORLD_NS, die_with_parent, free_port, wait_until
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -244,3 +245,44 @@ def other_api(server, other_team_token) -> Iterator[httpx.Client]:
         base_url=f"{server}/api/v1", headers={"Authorization": f"Bearer {other_team_token}"}, timeout=60
     ) as client:
         yield client
+
+
+def _sh(*argv: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(argv, capture_output=True, text=True, check=check, timeout=30)
+
+
+@pytest.fixture(scope="session")
+def world(tmp_path_factory):
+    """A namespace playing the internet: a web server on A and one on B, port 8080."""
+    _sh("ip", "netns", "delete", WORLD_NS, check=False)
+    _sh("ip", "link", "delete", "hwld0", check=False)
+    _sh("ip", "netns", "add", WORLD_NS)
+    _sh("ip", "link", "add", "hwld0", "type", "veth", "peer", "name", "eth0", "netns", WORLD_NS)
+    _sh("ip", "addr", "add", "198.18.0.1/24", "dev", "hwld0")
+    _sh("ip", "link", "set", "hwld0", "up")
+    for addr in (WORLD_A, WORLD_B):
+        _sh("ip", "-n", WORLD_NS, "addr", "add", f"{addr}/24", "dev", "eth0")
+    _sh("ip", "-n", WORLD_NS, "link", "set", "eth0", "up")
+    _sh("ip", "-n", WORLD_NS, "link", "set", "lo", "up")
+    servers = []
+    for name, addr in (("server-a", WORLD_A), ("server-b", WORLD_B)):
+        root = tmp_path_factory.mktemp(name)
+        (root / "index.html").write_text(f"{name}\n")
+        servers.append(subprocess.Popen(
+            ["ip", "netns", "exec", WORLD_NS, sys.executable, "-m", "http.server", "8080", "--bind", addr,
+             "--directory", str(root)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        ))  # fmt: skip
+    for addr in (WORLD_A, WORLD_B):
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                socket.create_connection((addr, 8080), timeout=1).close()
+                break
+            except OSError:
+                assert time.monotonic() < deadline, f"the world's server on {addr} did not start"
+                time.sleep(0.1)
+    yield
+    for p in servers:
+        p.kill()
+        p.wait()
+    _sh("ip", "netns", "delete", WORLD_NS, check=False)

@@ -42,3 +42,9 @@ def die_with_parent() -> None:
     import signal
 
     ctypes.CDLL(None).prctl(1, signal.SIGTERM, 0, 0, 0)  # PR_SET_PDEATHSIG
+
+
+# The "internet" of the network tests: a namespace made by the tests (the ``world`` fixture),
+# on the benchmarking range, with a web server on each of these two addresses, port 8080.
+WORLD_NS = "hgtest-world"
+WORLD_A, WORLD_B = "198.18.0.2", "198.18.0.3"

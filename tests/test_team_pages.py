@@ -160,3 +160,21 @@ def test_the_sandbox_page_links_its_previews(client, crew):
     page = client.get(f"/sandboxes/{sb.id}/").content.decode()
     assert f'href="http://8000-{sb.id}.localhost:8000/?hangar_token=' in page
     assert f'href="http://3000-{sb.id}.localhost:8000/"' in page and "(public)" in page
+
+
+def test_the_create_form_sets_the_network_and_explains_a_bad_one(client, crew):
+    from runtime.models import Image, Sandbox
+    from runtime.services.nodes import node_register
+
+    node = node_register(name="node-a", runtimes=["gvisor"], cpu=4, memory_mb=8192)
+    Image.objects.create(name="busybox", digest="sha256:" + "a" * 64).nodes.add(node)
+    client.force_login(_member("mel", crew, "member"))
+    form = {"image": "busybox", "runtime": "gvisor", "cpu": "0.5", "memory_mb": "256", "timeout_s": "600"}
+    r = client.post("/sandboxes/", {**form, "egress": "allowlist", "allow": ""})
+    assert r.status_code == 422 and "needs at least one entry" in r.content.decode()
+    r = client.post("/sandboxes/", {**form, "egress": "allowlist", "allow": "github.com, 10.20.0.0/16"})
+    assert r.status_code == 302, r.content[:300]
+    assert Sandbox.objects.get(team=crew).network == {
+        "egress": "allowlist",
+        "allow": ["github.com", "10.20.0.0/16"],
+    }

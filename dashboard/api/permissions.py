@@ -49,6 +49,7 @@ RULES: dict[tuple[str, str], Rule] = {
     ("POST", f"{SB}/pause"): _write("sandboxes"),
     ("POST", f"{SB}/resume"): _write("sandboxes"),
     ("POST", f"{SB}/stop"): _write("sandboxes"),
+    ("PUT", f"{SB}/network"): _write("sandboxes"),
     ("GET", f"{SB}/ports"): _read("sandboxes"),
     ("POST", f"{SB}/ports"): _write("sandboxes"),
     ("DELETE", f"{SB}/ports/{{port}}"): _write("sandboxes"),

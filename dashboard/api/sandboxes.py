@@ -46,6 +46,11 @@ class PreviewOut(Schema):
     url: str = Field(description="private ones carry a signed token, valid HANGAR_PREVIEW_TOKEN_TTL_S")
 
 
+class NetworkIn(Schema):
+    egress: Literal["none", "allowlist", "all"] = "none"
+    allow: list[str] = Field([], description='for allowlist: "host", "host:port", "1.2.3.4", "10.0.0.0/24"')
+
+
 class SandboxIn(Schema):
     image: str = Field(min_length=1, max_length=300)
     runtime: str = "gvisor"
@@ -61,6 +66,7 @@ class SandboxIn(Schema):
         [], max_length=20, description="ports of servers inside to give preview URLs: 8000 or {port, public}"
     )
     auto_resume: bool = Field(False, description="a request to a preview URL resumes it when paused")
+    network: NetworkIn | None = Field(None, description="egress policy; default none (no network at all)")
     volumes: list[VolumeMountIn] = Field([], max_length=16)
     ephemeral: bool = Field(False, description="keep nothing outside volumes when paused")
     on_expire: Literal["pause", "destroy"] = Field(
@@ -91,6 +97,7 @@ class SandboxOut(Schema):
     metadata: dict[str, Any]
     secrets: list[str] = Field(description="names of the team secrets it was given (values never come back)")
     previews: list[PreviewOut] = Field(description="preview URLs of its exposed ports")
+    network: dict[str, Any] = Field(description="its egress policy ({} when it has no network)")
     auto_resume: bool
     volumes: list[VolumeMountOut]
     ephemeral: bool
@@ -209,6 +216,7 @@ async def create_sandbox(request: HttpRequest, payload: SandboxIn):
             ephemeral=payload.ephemeral, on_expire=payload.on_expire, idle_timeout_s=payload.idle_timeout_s,
             pause_mode=payload.pause_mode, secrets=payload.secrets, auto_resume=payload.auto_resume,
             ports=[p if isinstance(p, int) else p.dict() for p in payload.ports],
+            network=payload.network.dict() if payload.network else None,
         )  # fmt: skip
         if payload.wait and sandbox.status not in svc.SETTLED:  # a claimed pool member already runs
             sandbox = svc.sandbox_wait(sandbox=sandbox, timeout=settings.HANGAR_CREATE_WAIT_S)
@@ -354,6 +362,18 @@ async def resume_sandbox(request: HttpRequest, sandbox_id: str, payload: ResumeI
         return _full.get(id=sandbox_id)
 
     return await blocking(resume)()
+
+
+@router.put("/{sandbox_id}/network", response=SandboxOut)
+async def set_network(request: HttpRequest, sandbox_id: str, payload: NetworkIn):
+    """Change the egress policy: applied at once (atomically, below the sandbox) if it runs
+    with a network, else from its next start."""
+
+    def put() -> Sandbox:
+        svc.sandbox_set_network(sandbox=_get(request, sandbox_id), network=payload.dict())
+        return _full.get(id=sandbox_id)
+
+    return await blocking(put)()
 
 
 @router.get("/{sandbox_id}/ports", response=list[PreviewOut])

@@ -61,7 +61,9 @@ class SandboxSpec:
     mounts: tuple[Mount, ...] = ()
     hostname: str = "sandbox"
     working_dir: str = "/"
-    network: str = "none"
+    # The egress policy, {"egress": "none" | "allowlist" | "all", "allow": [...]}; with
+    # egress other than none the sandbox gets a network of its own (see network.py).
+    network: dict[str, Any] | None = None
 
 
 @dataclass
@@ -222,6 +224,19 @@ class Launcher(abc.ABC):
         """Continue a sandbox saved by :meth:`checkpoint`. If it raises, the saved state is
         discarded, and :meth:`create` starts the sandbox afresh over its kept files."""
         raise LauncherError(f"the {self.name} runtime cannot restore a sandbox")
+
+    #: Whether sandboxes of this runtime can have a network (an egress policy other than none).
+    can_network = False
+
+    def set_network(self, sandbox_id: str, policy: dict[str, Any]) -> None:
+        """Put a new egress policy in force for a running sandbox that has a network, at once
+        and atomically."""
+        raise LauncherError(f"the {self.name} runtime gives sandboxes no network")
+
+    def network_reconcile(self, live: dict[str, dict[str, Any]]) -> list[str]:
+        """Remove network leftovers of sandboxes not in ``live`` (id → policy) and refresh the
+        pinned names of those that are; returns the ids cleaned up."""
+        return []
 
     @abc.abstractmethod
     def destroy(self, handle: Handle) -> None:

@@ -50,6 +50,7 @@ from .base import (
     Stats,
 )
 from .locks import file_lock
+from .network import Lease, Network, Policy, unshare_wrapper, validate_policy
 
 log = logging.getLogger(__name__)
 
@@ -87,6 +88,7 @@ def _is_mounted(path: Path) -> bool:
 class GVisorLauncher(Launcher):
     name = "gvisor"
     can_checkpoint = True
+    can_network = True
 
     def __init__(
         self,
@@ -95,8 +97,11 @@ class GVisorLauncher(Launcher):
         platform: str = "",
         agent_cache_dir: str | os.PathLike[str] | None = None,
         extra_flags: tuple[str, ...] = (),
+        network_pool: str = "10.88.0.0/16",
+        network_exceptions: tuple[str, ...] = (),
     ) -> None:
         self.state_dir = Path(state_dir)
+        self.network = Network(self.state_dir, pool=network_pool, exceptions=network_exceptions)
         self.root = self.state_dir / "runsc-root"
         self.sandboxes_dir = self.state_dir / "sandboxes"
         self.runsc = runsc
@@ -114,12 +119,12 @@ class GVisorLauncher(Launcher):
             self._agent = agent_binary(self.agent_cache_dir)
         return self._agent
 
-    def _runsc(self, *args: str) -> list[str]:
+    def _runsc(self, *args: str, network: bool = False) -> list[str]:
         flags = [
             self.runsc,
             "--root",
             str(self.root),
-            "--network=none",
+            "--network=sandbox" if network else "--network=none",
             "--host-uds=create",
             "--overlay2=none",
         ]
@@ -147,7 +152,7 @@ class GVisorLauncher(Launcher):
                 "socket": str(d / "run" / "agent.sock"),
             }
 
-    def _oci_spec(self, spec: SandboxSpec, d: Path) -> dict[str, Any]:
+    def _oci_spec(self, spec: SandboxSpec, d: Path, lease: Lease | None = None) -> dict[str, Any]:
         env = {"PATH": DEFAULT_PATH, "HOME": "/root", "HOSTNAME": spec.hostname, "TERM": "xterm-256color"}
         env.update(spec.env)
         mounts: list[dict[str, Any]] = [
@@ -193,7 +198,8 @@ class GVisorLauncher(Launcher):
                     "memory": {"limit": memory},
                     "cpu": {"quota": max(1000, int(spec.cpu * period)), "period": period},
                 },
-                "namespaces": [{"type": t} for t in ("pid", "network", "ipc", "uts", "mount")],
+                "namespaces": [{"type": t} for t in ("pid", "ipc", "uts", "mount")]
+                + [{"type": "network", "path": lease.netns_path} if lease else {"type": "network"}],
                 "maskedPaths": ["/proc/kcore", "/proc/keys", "/proc/timer_list", "/sys/firmware"],
                 "readonlyPaths": ["/proc/bus", "/proc/fs", "/proc/irq", "/proc/sys", "/proc/sysrq-trigger"],
             },
@@ -214,13 +220,22 @@ class GVisorLauncher(Launcher):
             # A checkpoint this sandbox was paused with is of no use once it starts afresh.
             for saved in ("checkpoint", "checkpoint.partial"):
                 shutil.rmtree(d / saved, ignore_errors=True)
-            (d / "bundle" / "config.json").write_text(json.dumps(self._oci_spec(spec, d)))
+            policy = validate_policy(spec.network)
+            lease = None
+            if policy.enabled:
+                try:
+                    lease = self.network.setup(spec.id, policy, rootfs=d / "rootfs")
+                except LauncherError:
+                    self._destroy_locked(spec.id)
+                    raise
+            (d / "bundle" / "config.json").write_text(json.dumps(self._oci_spec(spec, d, lease)))
             (d / "handle.json").write_text(json.dumps(handle))
             if self._has_runtime_state(spec.id):
                 # A leftover container from a crashed earlier attempt would make `run` fail.
                 _run(self._runsc("delete", "--force", spec.id), check=False)
             try:
-                self._start(d, spec.id, "run", "--detach", "--bundle", str(d / "bundle"), spec.id)
+                self._start(d, spec.id, "run", "--detach", "--bundle", str(d / "bundle"), spec.id,
+                            network=lease is not None)  # fmt: skip
             except LauncherError as exc:
                 self._destroy_locked(spec.id)
                 raise LauncherError(f"runsc could not start the sandbox: {exc}") from exc
@@ -272,6 +287,8 @@ class GVisorLauncher(Launcher):
                 controller_dir.rmdir()
         (d / "handle.json").unlink(missing_ok=True)
         (d / "quiesced").unlink(missing_ok=True)
+        if self.network.lease_of(sandbox_id) is not None:
+            self.network.teardown(sandbox_id)
 
     # -- checkpoint and restore -------------------------------------------------------------
     #
@@ -295,6 +312,8 @@ class GVisorLauncher(Launcher):
                     raise SandboxNotRunning(
                         f"sandbox {sandbox_id} is {status}: there is nothing to checkpoint"
                     )
+                if self.network.lease_of(sandbox_id) is not None:
+                    raise LauncherError("a sandbox with a network cannot be checkpointed yet")
                 marker = d / "quiesced"
                 if not marker.exists():  # else an earlier try of this pause quiesced it already
                     self._quiesce(sandbox_id, marker)
@@ -430,15 +449,17 @@ class GVisorLauncher(Launcher):
             raise
         _unlink_socket(handle["socket"])
 
-    def _start(self, d: Path, sandbox_id: str, *args: str) -> None:
-        """``runsc run|restore --detach``; raises LauncherError with runsc's words."""
+    def _start(self, d: Path, sandbox_id: str, *args: str, network: bool = False) -> None:
+        """``runsc run|restore --detach``; raises LauncherError with runsc's words. With a
+        ``network``, runsc runs with its own network stack, wrapped (see network.py)."""
+        argv = unshare_wrapper(self._runsc(*args, network=True)) if network else self._runsc(*args)
         # The sandbox inherits runsc's stdio and keeps it open for its whole life: give it a
         # log file, never a pipe we would wait on.
         log_path = d / "console.log"
         with open(log_path, "ab") as log:
             start = log.tell()
             proc = subprocess.run(
-                self._runsc(*args),
+                argv,
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=log,
@@ -488,6 +509,48 @@ class GVisorLauncher(Launcher):
             self._destroy_locked(sandbox_id)
         with contextlib.suppress(OSError):
             (self.sandboxes_dir / f".{sandbox_id}.lock").unlink()
+
+    # -- networks -------------------------------------------------------------------------
+
+    def set_network(self, sandbox_id: str, policy: dict[str, Any]) -> None:
+        parsed = validate_policy(policy)
+        with file_lock(self.sandboxes_dir / f".{sandbox_id}.lock"):
+            if self.network.lease_of(sandbox_id) is None:
+                if parsed.enabled:
+                    raise LauncherError(
+                        "this sandbox was started without a network: its egress can change only from "
+                        "its next start (pause and resume it), or create it with a network"
+                    )
+                return
+            names = self.network.apply(sandbox_id, parsed)
+            self._write_resolution(sandbox_id, parsed, names)
+
+    def _write_resolution(self, sandbox_id: str, policy: Policy, names: dict[str, list[str]]) -> None:
+        # Through the agent: gVisor caches the root filesystem, so a file changed from the host
+        # under a running sandbox may not be seen inside.
+        client = self._client(self._handle_for(sandbox_id))
+        for path, text in self.network.resolution_files(policy, names).items():
+            with contextlib.suppress(agent_client.AgentError):
+                client.write_file(path, text.encode())
+
+    def network_reconcile(self, live: dict[str, dict[str, Any]]) -> list[str]:
+        if not self.network.dir.exists():
+            return []  # no sandbox of this node ever had a network
+        cleaned = []
+        for sandbox_id in self.network.leftovers(set(live)):
+            with file_lock(self.sandboxes_dir / f".{sandbox_id}.lock"):
+                if self._runtime_status(sandbox_id) == "running":
+                    continue  # not in the snapshot of live ones, but running: leave it
+                self.network.cleanup(sandbox_id)
+                cleaned.append(sandbox_id)
+        for sandbox_id, policy in live.items():
+            parsed = validate_policy(policy)
+            if self.network.lease_of(sandbox_id) is None:
+                continue
+            with contextlib.suppress(LauncherError):
+                if self.network.refresh(sandbox_id, parsed):
+                    self._write_resolution(sandbox_id, parsed, self.network._resolved(parsed)[1])
+        return cleaned
 
     def _destroy_locked(self, sandbox_id: str) -> None:
         self._release(sandbox_id)  # delete --force kills whatever still runs first

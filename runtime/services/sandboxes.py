@@ -88,6 +88,57 @@ def _validate_limits(*, cpu: float, memory_mb: int, timeout_s: int) -> None:
         raise InvalidValue(f"timeout_s must be between 1 and {max_t}, got {timeout_s}")
 
 
+def validate_network(network: dict[str, Any] | None, *, runtime: str) -> dict[str, Any]:
+    """``{"egress": "none" | "allowlist" | "all", "allow": [...]}`` checked ({} for none)."""
+    from ..launchers.network import validate_policy
+
+    try:
+        policy = validate_policy(network)
+    except ValueError as exc:
+        raise InvalidValue(f"network: {exc}") from None
+    if not policy.enabled:
+        return {}
+    try:
+        able = launcher_class(runtime).can_network
+    except LauncherError:
+        able = True  # an unknown runtime is refused with its own message
+    if not able:
+        raise InvalidValue(f"the {runtime} runtime gives sandboxes no network")
+    return policy.as_dict()
+
+
+def sandbox_set_network(*, sandbox: Sandbox, network: dict[str, Any] | None) -> Sandbox:
+    """Change the sandbox's egress policy: at once if it runs with a network (one nftables
+    transaction on its node), else from its next start."""
+    net = validate_network(network, runtime=sandbox.runtime)
+    if net and sandbox.pause_mode == PAUSE_MODE_CHECKPOINT:
+        raise InvalidValue(
+            "a sandbox with network egress cannot be checkpointed yet: set its pause_mode to stop first"
+        )
+    if sandbox.status == S.DELETED:
+        raise Conflict(f"sandbox {sandbox.id} is deleted", status=sandbox.status)
+    if sandbox.status == S.RUNNING:
+        if not sandbox.network and net:
+            raise Conflict(
+                f"sandbox {sandbox.id} was started without a network, and a running sandbox cannot be given "
+                "one: pause it, set its network, and resume it (or create it with a network)",
+                status=sandbox.status,
+            )  # fmt: skip
+
+        def apply() -> None:
+            if _is_local(sandbox):
+                launcher_for(sandbox.runtime).set_network(sandbox.id, net)
+            else:
+                _remote(sandbox, "network", {"policy": net}, timeout=30)
+
+        _sandbox_call(sandbox, apply)
+    Sandbox.objects.filter(id=sandbox.id).update(network=net, updated_at=timezone.now())
+    record_event(sandbox.id, "network", f"egress {net.get('egress', 'none')}", **net)
+    audit.record("sandbox.network", team=sandbox.team, target=sandbox.id, **net)
+    sandbox.network = net
+    return sandbox
+
+
 def _validate_env(env: dict[str, str]) -> None:
     for key, value in env.items():
         if not key or "=" in key or "\0" in key or not key.replace("_", "a").isalnum() or key[0].isdigit():
@@ -117,6 +168,7 @@ def sandbox_create(
     secrets: list[str] | None = None,
     ports: list[Any] | None = None,
     auto_resume: bool = False,
+    network: dict[str, Any] | None = None,
 ) -> Sandbox:
     """Write a pending sandbox on a node with room (the node of its volumes, if it attaches
     any) and enqueue its provisioning on that node."""
@@ -129,7 +181,8 @@ def sandbox_create(
         raise InvalidValue(
             f"idle_timeout_s must be between 10 and {settings.HANGAR_SANDBOX_MAX_TIMEOUT_S}, got {idle_timeout_s}"
         )
-    _validate_pause_mode(pause_mode, runtime=runtime, ephemeral=ephemeral)
+    net = validate_network(network, runtime=runtime)
+    _validate_pause_mode(pause_mode, runtime=runtime, ephemeral=ephemeral, network=net)
     secret_names = secret_svc.validate_names(team=team, names=secrets or [], env=env)
     from .previews import validate_ports
 
@@ -138,8 +191,9 @@ def sandbox_create(
     usage_svc.budget_check(team)
     image_row = image_resolve(image)
     mounts = volume_svc.resolve_mounts(team=team, mounts=volumes or [])
-    if not mounts and not ephemeral:
-        # A warm pool of the team keeps this spec started: take one of its members.
+    if not mounts and not ephemeral and not net:
+        # A warm pool of the team keeps this spec started: take one of its members (they run
+        # without a network, so a sandbox that asks for egress starts its own).
         from .pools import pool_claim
 
         claimed = pool_claim(
@@ -175,6 +229,7 @@ def sandbox_create(
             secrets=secret_names,
             ports=port_list,
             auto_resume=auto_resume,
+            network=net,
             metadata=metadata or {},
             ephemeral=ephemeral,
             on_expire=on_expire,
@@ -275,6 +330,7 @@ def _boot(sandbox_id: str, frm: str) -> None:
         cpu=sandbox.cpu,
         memory_mb=sandbox.memory_mb,
         env={**image_env, **sandbox.env, **secret_svc.env_for(sandbox), "HANGAR_SANDBOX_ID": sandbox.id},
+        network=sandbox.network or None,
         hostname=sandbox.id,
         working_dir=info.config.get("working_dir") or "/",
     )
@@ -312,10 +368,16 @@ PAUSE_MODE_STOP, PAUSE_MODE_CHECKPOINT = "stop", "checkpoint"
 PAUSE_MODES = (PAUSE_MODE_STOP, PAUSE_MODE_CHECKPOINT)
 
 
-def _validate_pause_mode(mode: str, *, runtime: str, ephemeral: bool) -> None:
+def _validate_pause_mode(
+    mode: str, *, runtime: str, ephemeral: bool, network: dict[str, Any] | None = None
+) -> None:
     if mode not in PAUSE_MODES:
         raise InvalidValue(f"unknown pause mode {mode!r}; one of: {', '.join(PAUSE_MODES)}")
     if mode == PAUSE_MODE_CHECKPOINT:
+        if (network or {}).get("egress", "none") != "none":
+            raise InvalidValue(
+                "a sandbox with network egress cannot be checkpointed yet: pause it with mode stop"
+            )
         if ephemeral:
             raise InvalidValue("an ephemeral sandbox keeps nothing outside its volumes when paused, "
                                "so it cannot be checkpointed: pause it with mode stop")  # fmt: skip
@@ -349,7 +411,7 @@ def sandbox_pause(*, sandbox: Sandbox, mode: str | None = None, reason: str = ""
     ephemeral). ``checkpoint``: gVisor saves the whole sandbox, processes and memory included,
     and resume continues them. ``mode`` defaults to the sandbox's ``pause_mode``."""
     mode = mode or sandbox.pause_mode or PAUSE_MODE_STOP
-    _validate_pause_mode(mode, runtime=sandbox.runtime, ephemeral=sandbox.ephemeral)
+    _validate_pause_mode(mode, runtime=sandbox.runtime, ephemeral=sandbox.ephemeral, network=sandbox.network)
     if sandbox.status != S.RUNNING:
         raise Conflict(f"sandbox {sandbox.id} is {sandbox.status}; only a running sandbox can be paused",
                        status=sandbox.status)  # fmt: skip
@@ -571,7 +633,12 @@ def node_reconcile(*, node_name: str) -> dict[str, list[str]]:
     from ..models import Node
 
     node = Node.objects.filter(name=node_name).first()
-    report: dict[str, list[str]] = {"failed": [], "destroyed": [], "volumes_removed": []}
+    report: dict[str, list[str]] = {
+        "failed": [],
+        "destroyed": [],
+        "volumes_removed": [],
+        "networks_removed": [],
+    }
     if node is None:
         return report
     report["volumes_removed"] = volume_svc.volumes_reconcile()
@@ -606,6 +673,11 @@ def node_reconcile(*, node_name: str) -> dict[str, list[str]]:
                 report["failed"].append(row.id)
             if st is not None:
                 launcher.destroy_id(row.id)
+        # Namespaces, veths, rules and leases that no live sandbox owns go; allowlisted names
+        # are re-resolved (and the rules follow them).
+        holding = Sandbox.objects.filter(node=node, runtime=runtime,
+                                         status__in=[S.STARTING, S.RUNNING, S.PAUSING, S.RESUMING, S.STOPPING])  # fmt: skip
+        report["networks_removed"] += launcher.network_reconcile(dict(holding.values_list("id", "network")))
     return report
 
 
@@ -687,6 +759,9 @@ def node_op(*, op: str, sandbox_id: str, payload: dict[str, Any]) -> dict[str, A
             return {"size": n}
         if op == "list":
             return {"entries": [e.__dict__ for e in launcher.list_files(sandbox.handle, payload["path"])]}
+        if op == "network":
+            launcher.set_network(sandbox.id, payload["policy"])
+            return {}
         if op == "stats":
             st = launcher.stats(sandbox.handle)
             return {"cpu_seconds": st.cpu_seconds, "memory_bytes": st.memory_bytes,

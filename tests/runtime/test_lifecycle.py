@@ -166,6 +166,7 @@ def test_running_sandboxes_survive_reconciliation(celery_worker, local_node, tea
         "failed": [],
         "destroyed": [],
         "volumes_removed": [],
+        "networks_removed": [],
     }
     sb.refresh_from_db()
     assert sb.status == S.RUNNING

@@ -1,0 +1,472 @@
+"""Per-sandbox networks: a network namespace, a veth pair, an address pair from a private
+pool, NAT out, and an egress policy enforced by nftables on the host, below the sandbox.
+
+gVisor runs with its own network stack (``--network=sandbox``) inside the namespace: it takes
+the namespace's interface and addresses over, so the sandbox's packets leave through the veth
+and the host's kernel, where the policy applies; nothing inside the sandbox can change it.
+
+Layout (``nft list table inet hangar``)::
+
+    chain forward   (hook forward)  iifname vmap @by_iface   → the sandbox's own chain
+                                     oifname "hg*": established only (nothing connects in)
+    chain input     (hook input)    iifname "hg*": established only (the host and its
+                                     services, Postgres, Redis, the control plane: never)
+    chain sb_<id>                    established accept; IPv6 drop; always-denied drop;
+                                     then the policy (none: drop; all: accept; allowlist:
+                                     the listed addresses and address:port pairs), then drop
+
+Always denied, whatever the policy: other sandboxes (the pool), link-local and metadata
+addresses (169.254.0.0/16), loopback, private and shared ranges (the node's management
+networks), multicast and reserved ranges; ``HANGAR_NETWORK_EXCEPTIONS`` (CIDRs an admin
+allows) are cut out of that list. Every change of a sandbox's policy is one ``nft -f``
+transaction: the chain is flushed and refilled atomically.
+
+Host names in an allowlist are resolved on the host (never by the sandbox) and the answers
+pinned: the sandbox's ``/etc/hosts`` maps each name to exactly the addresses the policy
+allows, and :meth:`Network.refresh` re-resolves them (the node does it on every
+reconciliation), so a name that moves is followed and a sandbox cannot reach another address
+by resolving a listed name to it itself.
+
+Debian's runsc refuses ``--network=sandbox`` on newer kernels ("cannot run with network
+enabled in root network namespace"): it decides that from ``/proc/sys/net/core/rmem_default``
+being visible, which newer kernels show in every namespace. :func:`unshare_wrapper` runs runsc
+in a private mount namespace with a tmpfs over ``/proc/sys/net``, which passes that test
+without giving up gVisor's own network stack (``--network=host`` would hand the sandbox the
+host kernel's stack, a far larger attack surface).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import ipaddress
+import json
+import logging
+import os
+import socket
+import subprocess
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .base import LauncherError
+from .locks import file_lock
+
+log = logging.getLogger(__name__)
+TABLE = "hangar"
+IFACE_PREFIX = "hg"
+NETNS_PREFIX = "hangar-"
+EGRESS = ("none", "allowlist", "all")
+ALWAYS_DENIED = (
+    "0.0.0.0/8", "10.0.0.0/8", "100.64.0.0/10", "127.0.0.0/8", "169.254.0.0/16", "172.16.0.0/12",
+    "192.0.0.0/24", "192.168.0.0/16", "224.0.0.0/4", "240.0.0.0/4",
+)  # fmt: skip
+
+
+class NetworkError(LauncherError):
+    pass
+
+
+@dataclass(frozen=True)
+class Allowed:
+    """One allowlist entry, parsed: a network, or a host name (resolved later); a port or any."""
+
+    text: str
+    network: ipaddress.IPv4Network | None
+    host: str | None
+    port: int | None
+
+
+@dataclass
+class Policy:
+    egress: str = "none"
+    allow: list[str] = field(default_factory=list)
+
+    @property
+    def enabled(self) -> bool:
+        return self.egress != "none"
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"egress": self.egress, "allow": list(self.allow)}
+
+
+HOST_RE_CHARS = set("abcdefghijklmnopqrstuvwxyz0123456789-.")
+
+
+def parse_allow(entry: str) -> Allowed:
+    """``"api.example.com"``, ``"api.example.com:443"``, ``"1.2.3.4"``, ``"1.2.3.4:8080"`` or
+    ``"10.1.0.0/16"``; raises ValueError with what is wrong."""
+    text = (entry or "").strip().lower()
+    if not text:
+        raise ValueError("an empty allowlist entry")
+    if "/" in text:
+        try:
+            net = ipaddress.ip_network(text, strict=False)
+        except ValueError:
+            raise ValueError(f"{entry!r} is not a CIDR network") from None
+        if net.version != 4:
+            raise ValueError(f"{entry!r}: sandboxes have IPv4 only")
+        return Allowed(text, net, None, None)  # type: ignore[arg-type]
+    host, port = text, None
+    if text.count(":") == 1:
+        host, _, port_s = text.partition(":")
+        if not port_s.isdigit() or not 1 <= int(port_s) <= 65535:
+            raise ValueError(f"{entry!r}: the port must be a number from 1 to 65535")
+        port = int(port_s)
+    elif ":" in text:
+        raise ValueError(f"{entry!r}: sandboxes have IPv4 only")
+    try:
+        addr = ipaddress.IPv4Address(host)
+        return Allowed(text, ipaddress.IPv4Network(f"{addr}/32"), None, port)
+    except ValueError:
+        pass
+    if not host or len(host) > 253 or not set(host) <= HOST_RE_CHARS or host.startswith(("-", ".")):
+        raise ValueError(f"{entry!r} is not a host name, address or CIDR network")
+    return Allowed(text, None, host, port)
+
+
+def validate_policy(value: Any) -> Policy:
+    """A policy from the API's ``{"egress": …, "allow": […]}``; raises ValueError."""
+    if value is None:
+        return Policy()
+    if not isinstance(value, dict):
+        raise ValueError('network is an object: {"egress": "none" | "allowlist" | "all", "allow": [...]}')
+    egress = value.get("egress", "none")
+    if egress not in EGRESS:
+        raise ValueError(f"egress must be one of {', '.join(EGRESS)}, got {egress!r}")
+    allow = value.get("allow") or []
+    if not isinstance(allow, list) or len(allow) > 200:
+        raise ValueError("allow is a list of at most 200 host names, host:port, addresses or CIDRs")
+    parsed = [parse_allow(a) for a in allow]
+    if egress == "allowlist" and not parsed:
+        raise ValueError('egress "allowlist" needs at least one entry in allow')
+    if egress != "allowlist" and parsed:
+        raise ValueError(f'allow is for egress "allowlist" (egress is {egress!r})')
+    return Policy(egress=egress, allow=[a.text for a in parsed])
+
+
+def unshare_wrapper(argv: list[str]) -> list[str]:
+    """``argv`` (a ``runsc run|restore``) in a private mount namespace where /proc/sys/net is
+    an empty tmpfs: see the module's doc."""
+    return ["unshare", "--mount", "--propagation", "private", "sh", "-c",
+            'mount -t tmpfs -o size=4k tmpfs /proc/sys/net && exec "$@"', "runsc", *argv]  # fmt: skip
+
+
+def _run(argv: list[str], stdin: str | None = None, check: bool = True) -> subprocess.CompletedProcess[str]:
+    proc = subprocess.run(argv, input=stdin, capture_output=True, text=True, timeout=30)
+    if check and proc.returncode != 0:
+        raise NetworkError(f"{' '.join(argv[:4])} failed: {(proc.stderr or proc.stdout).strip()[:500]}")
+    return proc
+
+
+@dataclass
+class Lease:
+    index: int
+    netns: str
+    veth: str
+    host_ip: str
+    sandbox_ip: str
+    prefix: int = 30
+
+    @property
+    def netns_path(self) -> str:
+        return f"/var/run/netns/{self.netns}"
+
+
+class Network:
+    """The node's sandbox networks, kept under ``state_dir/network`` (leases) and in the
+    kernel (namespaces, veths, the nftables table)."""
+
+    def __init__(
+        self,
+        state_dir: Path,
+        pool: str = "10.88.0.0/16",
+        exceptions: Iterable[str] = (),
+        nameservers: Iterable[str] | None = None,
+        resolve: Callable[[str], list[str]] | None = None,
+    ) -> None:
+        self.dir = Path(state_dir) / "network"
+        self.pool = ipaddress.IPv4Network(pool)
+        if self.pool.prefixlen > 28:
+            raise NetworkError(f"the sandbox address pool {pool} is too small")
+        self.slots = self.pool.num_addresses // 4
+        self.exceptions = [ipaddress.IPv4Network(e) for e in exceptions]
+        self.nameservers = list(nameservers) if nameservers is not None else _host_nameservers()
+        self.resolve = resolve or _resolve
+
+    # -- the node-wide part ----------------------------------------------------------------
+
+    def denied(self) -> list[str]:
+        """Always-denied networks, minus an admin's exceptions, plus the pool."""
+        nets = [ipaddress.IPv4Network(n) for n in ALWAYS_DENIED] + [self.pool]
+        out: list[ipaddress.IPv4Network] = []
+        for net in nets:
+            pieces = [net]
+            for exc in self.exceptions:
+                nxt = []
+                for p in pieces:
+                    if exc.subnet_of(p) and exc != p:
+                        nxt.extend(p.address_exclude(exc))
+                    elif p.subnet_of(exc):
+                        continue
+                    else:
+                        nxt.append(p)
+                pieces = nxt
+            out.extend(pieces)
+        return [str(n) for n in ipaddress.collapse_addresses(out)]
+
+    def ensure_base(self) -> None:
+        self.dir.mkdir(parents=True, exist_ok=True)
+        with file_lock(self.dir / ".lock"):
+            with open("/proc/sys/net/ipv4/ip_forward", "w") as f:
+                f.write("1")
+            if _run(["nft", "list", "table", "inet", TABLE], check=False).returncode != 0:
+                _run(["nft", "-f", "-"], stdin=self._base_script())
+            nat = _run(["nft", "list", "chain", "ip", f"{TABLE}_nat", "postrouting"], check=False).stdout
+            if f"ip saddr {self.pool} " not in nat:  # a pool of its own (another state dir, a test)
+                _run(["nft", "add", "rule", "ip", f"{TABLE}_nat", "postrouting", "ip", "saddr", str(self.pool),
+                      "oifname", "!=", f"{IFACE_PREFIX}*", "masquerade"])  # fmt: skip
+
+    def _base_script(self) -> str:
+        return f"""
+add table inet {TABLE}
+add map inet {TABLE} by_iface {{ type ifname : verdict; }}
+add chain inet {TABLE} forward {{ type filter hook forward priority 0; policy accept; }}
+add chain inet {TABLE} input {{ type filter hook input priority 0; policy accept; }}
+add rule inet {TABLE} forward iifname vmap @by_iface
+add rule inet {TABLE} forward iifname "{IFACE_PREFIX}*" drop
+add rule inet {TABLE} forward oifname "{IFACE_PREFIX}*" ct state established,related accept
+add rule inet {TABLE} forward oifname "{IFACE_PREFIX}*" drop
+add rule inet {TABLE} input iifname "{IFACE_PREFIX}*" ct state established,related accept
+add rule inet {TABLE} input iifname "{IFACE_PREFIX}*" drop
+add table ip {TABLE}_nat
+add chain ip {TABLE}_nat postrouting {{ type nat hook postrouting priority 100; }}
+"""
+
+    # -- leases -----------------------------------------------------------------------------
+
+    def _lease_path(self, sandbox_id: str) -> Path:
+        return self.dir / "leases" / f"{sandbox_id}.json"
+
+    def lease_of(self, sandbox_id: str) -> Lease | None:
+        with contextlib.suppress(OSError, ValueError):
+            return Lease(**json.loads(self._lease_path(sandbox_id).read_text()))
+        return None
+
+    def _lease(self, sandbox_id: str) -> Lease:
+        held = self.lease_of(sandbox_id)
+        if held is not None:
+            return held
+        (self.dir / "leases").mkdir(parents=True, exist_ok=True)
+        with file_lock(self.dir / ".lock"):
+            used = set()
+            for p in (self.dir / "leases").glob("*.json"):
+                with contextlib.suppress(OSError, ValueError):
+                    used.add(json.loads(p.read_text())["index"])
+            start = int(hashlib.sha1(sandbox_id.encode()).hexdigest(), 16) % self.slots
+            for k in range(self.slots):
+                i = (start + k) % self.slots
+                if i == 0 or i in used:  # slot 0 holds the pool's network address
+                    continue
+                base = self.pool.network_address + 4 * i
+                digest = hashlib.sha1(sandbox_id.encode()).hexdigest()[:12]
+                lease = Lease(index=i, netns=f"{NETNS_PREFIX}{sandbox_id}", veth=f"{IFACE_PREFIX}{digest}",
+                              host_ip=str(base + 1), sandbox_ip=str(base + 2))  # fmt: skip
+                self._lease_path(sandbox_id).write_text(json.dumps(lease.__dict__))
+                return lease
+        raise NetworkError(f"no free address in the sandbox pool {self.pool}")
+
+    # -- one sandbox ------------------------------------------------------------------------
+
+    def setup(self, sandbox_id: str, policy: Policy, rootfs: Path | None = None) -> Lease:
+        """The sandbox's namespace, veth and addresses, fresh (runsc takes the addresses over
+        each time it starts), and its policy. ``rootfs``: where to write /etc/hosts and
+        /etc/resolv.conf."""
+        self.ensure_base()
+        lease = self._lease(sandbox_id)
+        self._delete_links(lease)
+        ns = ["ip", "-n", lease.netns]
+        _run(["ip", "netns", "add", lease.netns])
+        try:
+            _run(
+                [
+                    "ip",
+                    "link",
+                    "add",
+                    lease.veth,
+                    "type",
+                    "veth",
+                    "peer",
+                    "name",
+                    "eth0",
+                    "netns",
+                    lease.netns,
+                ]
+            )
+            _run(["ip", "addr", "add", f"{lease.host_ip}/{lease.prefix}", "dev", lease.veth])
+            _run(["ip", "link", "set", lease.veth, "up"])
+            _run([*ns, "addr", "add", f"{lease.sandbox_ip}/{lease.prefix}", "dev", "eth0"])
+            _run([*ns, "link", "set", "eth0", "up"])
+            _run([*ns, "link", "set", "lo", "up"])
+            _run([*ns, "route", "add", "default", "via", lease.host_ip])
+            self.apply(sandbox_id, policy, rootfs=rootfs)
+        except BaseException:
+            self._delete_links(lease)
+            raise
+        return lease
+
+    def _resolved(self, policy: Policy) -> tuple[list[tuple[str, int | None]], dict[str, list[str]]]:
+        """(address or network, port) pairs the policy allows, and each host name's addresses."""
+        pairs: list[tuple[str, int | None]] = []
+        names: dict[str, list[str]] = {}
+        for a in (parse_allow(x) for x in policy.allow):
+            if a.network is not None:
+                pairs.append((str(a.network), a.port))
+                continue
+            assert a.host is not None
+            addrs = names.setdefault(a.host, self.resolve(a.host))
+            pairs.extend((addr, a.port) for addr in addrs)
+        return pairs, names
+
+    def apply(self, sandbox_id: str, policy: Policy, rootfs: Path | None = None) -> dict[str, list[str]]:
+        """Put the policy in force, atomically; returns the host names' pinned addresses."""
+        lease = self.lease_of(sandbox_id)
+        if lease is None:
+            raise NetworkError(f"sandbox {sandbox_id} has no network")
+        chain = f"sb_{sandbox_id}"
+        pairs, names = self._resolved(policy) if policy.egress == "allowlist" else ([], {})
+        lines = [
+            f"add chain inet {TABLE} {chain}",
+            f"flush chain inet {TABLE} {chain}",
+            f"add rule inet {TABLE} {chain} ct state established,related accept",
+            f"add rule inet {TABLE} {chain} meta nfproto ipv6 drop",
+            f"add rule inet {TABLE} {chain} ip daddr {{ {', '.join(self.denied())} }} drop",
+        ]
+        if policy.egress == "all":
+            lines.append(f"add rule inet {TABLE} {chain} accept")
+        elif policy.egress == "allowlist":
+            anyport = sorted({n for n, p in pairs if p is None})
+            ported = sorted({f"{n} . {p}" for n, p in pairs if p is not None})
+            if anyport:
+                lines.append(f"add rule inet {TABLE} {chain} ip daddr {{ {', '.join(anyport)} }} accept")
+            if ported:
+                for proto in ("tcp", "udp"):
+                    lines.append(
+                        f"add rule inet {TABLE} {chain} ip daddr . {proto} dport {{ {', '.join(ported)} }} accept"
+                    )
+        lines.append(f"add rule inet {TABLE} {chain} drop")
+        lines.append(f'add element inet {TABLE} by_iface {{ "{lease.veth}" : jump {chain} }}')
+        _run(["nft", "-f", "-"], stdin="\n".join(lines) + "\n")
+        if rootfs is not None:
+            self._write_resolution(rootfs, policy, names)
+        return names
+
+    def resolution_files(self, policy: Policy, names: dict[str, list[str]]) -> dict[str, str]:
+        """/etc/hosts (the pinned names) and /etc/resolv.conf for the sandbox: allowlisted
+        sandboxes resolve only the pinned names; with all egress they get the node's own
+        (non-loopback) nameservers."""
+        hosts = ["127.0.0.1\tlocalhost", "::1\tlocalhost ip6-localhost ip6-loopback"]
+        hosts += [f"{addrs[0]}\t{name}" for name, addrs in sorted(names.items()) if addrs]
+        servers = self.nameservers if policy.egress == "all" else []
+        resolv = (
+            "".join(f"nameserver {s}\n" for s in servers) or "# no DNS: names allowed are in /etc/hosts\n"
+        )
+        return {"/etc/hosts": "\n".join(hosts) + "\n", "/etc/resolv.conf": resolv}
+
+    def _write_resolution(self, rootfs: Path, policy: Policy, names: dict[str, list[str]]) -> None:
+        (rootfs / "etc").mkdir(parents=True, exist_ok=True)
+        for path, text in self.resolution_files(policy, names).items():
+            _replace(rootfs / path.lstrip("/"), text)
+
+    def teardown(self, sandbox_id: str, release: bool = True) -> None:
+        """Remove the namespace, the veth and the sandbox's rules; ``release``: its addresses too."""
+        lease = self.lease_of(sandbox_id)
+        chain = f"sb_{sandbox_id}"
+        if lease is not None:
+            self._delete_links(lease)
+            _run(
+                ["nft", "delete", "element", "inet", TABLE, "by_iface", f'{{ "{lease.veth}" }}'], check=False
+            )
+        _run(["nft", "delete", "chain", "inet", TABLE, chain], check=False)
+        if release:
+            self._lease_path(sandbox_id).unlink(missing_ok=True)
+
+    def _delete_links(self, lease: Lease) -> None:
+        _run(["ip", "link", "delete", lease.veth], check=False)
+        _run(["ip", "netns", "delete", lease.netns], check=False)
+
+    def refresh(self, sandbox_id: str, policy: Policy, rootfs: Path | None = None) -> bool:
+        """Re-resolve the policy's names and re-apply it if an answer changed."""
+        if policy.egress != "allowlist" or not any(parse_allow(a).host for a in policy.allow):
+            return False
+        stamp = self.dir / "leases" / f"{sandbox_id}.names"
+        _, names = self._resolved(policy)
+        now = json.dumps(names, sort_keys=True)
+        with contextlib.suppress(OSError):
+            if stamp.read_text() == now:
+                return False
+        self.apply(sandbox_id, policy, rootfs=rootfs)
+        stamp.write_text(now)
+        return True
+
+    # -- what is left behind ------------------------------------------------------------------
+
+    def leftovers(self, live: set[str]) -> list[str]:
+        """Sandbox ids with a lease, namespace or chain on this node that are not ``live``."""
+        found: set[str] = set()
+        for p in (self.dir / "leases").glob("*.json"):
+            found.add(p.stem)
+        proc = _run(["ip", "netns", "list"], check=False)
+        for line in proc.stdout.splitlines():
+            name = line.split()[0] if line.split() else ""
+            if name.startswith(NETNS_PREFIX):
+                found.add(name[len(NETNS_PREFIX) :])
+        proc = _run(["nft", "list", "table", "inet", TABLE], check=False)
+        for line in proc.stdout.splitlines():
+            line = line.strip()
+            if line.startswith("chain sb_"):
+                found.add(line.split()[1][3:])
+        return sorted(found - live)
+
+    def cleanup(self, sandbox_id: str) -> None:
+        lease = self.lease_of(sandbox_id)
+        if lease is None:  # a namespace or chain without a lease: rebuild the names to remove
+            digest = hashlib.sha1(sandbox_id.encode()).hexdigest()[:12]
+            lease = Lease(0, f"{NETNS_PREFIX}{sandbox_id}", f"{IFACE_PREFIX}{digest}", "", "")
+            self._delete_links(lease)
+            _run(
+                ["nft", "delete", "element", "inet", TABLE, "by_iface", f'{{ "{lease.veth}" }}'], check=False
+            )
+        self.teardown(sandbox_id)
+        (self.dir / "leases" / f"{sandbox_id}.names").unlink(missing_ok=True)
+
+
+def _replace(path: Path, text: str) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        if path.is_symlink():  # an image's /etc/resolv.conf may point anywhere: not followed
+            path.unlink()
+    tmp = path.with_name(f".{path.name}.hangar")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def _resolve(host: str) -> list[str]:
+    try:
+        infos = socket.getaddrinfo(host, None, socket.AF_INET, socket.SOCK_STREAM)
+    except socket.gaierror:
+        return []
+    return sorted({i[4][0] for i in infos})
+
+
+def _host_nameservers() -> list[str]:
+    out = []
+    with contextlib.suppress(OSError):
+        for line in Path("/etc/resolv.conf").read_text().splitlines():
+            parts = line.split()
+            if len(parts) >= 2 and parts[0] == "nameserver":
+                with contextlib.suppress(ValueError):
+                    addr = ipaddress.ip_address(parts[1])
+                    if addr.version == 4 and not addr.is_loopback:
+                        out.append(parts[1])
+    return out
