@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PORT ?= 8000
 
-.PHONY: up install system-deps test-deps venv test lint bench-tti bench-dashboard bench-pause bench-pools services
+.PHONY: up install system-deps test-deps venv test lint bench-tti bench-dashboard bench-pause bench-pools bench-network services
 
 up: install
 	$(VENV)/bin/hangar image build busybox
@@ -47,3 +47,6 @@ bench-pause: install
 
 bench-pools: install
 	$(PY) bench/pools.py
+
+bench-network: install
+	$(PY) bench/network.py

@@ -28,9 +28,9 @@ from typing import Any
 from urllib.parse import parse_qsl, urlencode
 
 import h11
-from channels.db import database_sync_to_async
 from django.conf import settings
 
+from runtime.aio import blocking
 from runtime.errors import ServiceError
 from runtime.launchers import agent_client
 from runtime.models import Sandbox
@@ -95,7 +95,7 @@ class Preview:
                 await self._redirect(redirect)
                 return
             sandbox = await self._running(sandbox)
-            await self._activity(force=True)
+            await self._activity(force=True, last=sandbox.last_activity_at)
             sock = await self._tunnel(sandbox)
         except Denied as d:
             await self._refuse(d)
@@ -106,9 +106,14 @@ class Preview:
             await self._proxy_websocket(sock)
 
     async def _sandbox(self) -> Sandbox:
-        sandbox = await database_sync_to_async(
-            lambda: Sandbox.objects.select_related("node", "team").filter(id=self.sandbox_id).first()
-        )()
+        # A running sandbox's row is kept a moment (see previews.cached_row).
+        sandbox = previews.cached_row(self.sandbox_id)
+        if sandbox is None:
+            sandbox = await blocking(
+                lambda: Sandbox.objects.select_related("node", "team").filter(id=self.sandbox_id).first()
+            )()
+            if sandbox is not None and sandbox.status == S.RUNNING:
+                previews.remember_row(sandbox)
         if sandbox is None or sandbox.status == S.DELETED:
             raise Denied(
                 404, "No such sandbox", f"There is no sandbox {self.sandbox_id} (or it was deleted)."
@@ -146,7 +151,7 @@ class Preview:
         if auth.lower().startswith("bearer hgr_"):
             from runtime.services.auth import token_allows, token_authenticate
 
-            api_token = await database_sync_to_async(token_authenticate)(auth.split(None, 1)[1].strip())
+            api_token = await blocking(token_authenticate)(auth.split(None, 1)[1].strip())
             if (
                 api_token is not None
                 and api_token.team_id == sandbox.team_id
@@ -181,7 +186,7 @@ class Preview:
             return Sandbox.objects.select_related("node", "team").get(id=sandbox.id)
 
         try:
-            sandbox = await database_sync_to_async(resume)()
+            sandbox = await blocking(resume)()
         except ServiceError as exc:  # over quota, say: the page says so
             raise Denied(exc.status_code, "This sandbox could not be resumed", exc.message) from None
         if sandbox.status != S.RUNNING:
@@ -219,13 +224,20 @@ class Preview:
                     raise Denied(502, "The sandbox did not answer", f"Sandbox {sandbox.id}: {exc}") from None
             await asyncio.sleep(0.25)
 
-    async def _activity(self, force: bool = False) -> None:
+    async def _activity(self, force: bool = False, last: Any = None) -> None:
+        """Preview traffic is activity. ``last``: the row's ``last_activity_at`` as loaded;
+        recent enough, there is nothing to write (most requests: no database round trip)."""
         now = time.monotonic()
         if force or now - self.last_activity >= ACTIVITY_EVERY_S:
             self.last_activity = now
+            from django.utils import timezone
+
+            from runtime.services.sandboxes import ACTIVITY_EVERY_S as WRITE_EVERY_S
             from runtime.services.sandboxes import sandbox_mark_active
 
-            await database_sync_to_async(sandbox_mark_active)(self.sandbox_id)
+            if last is not None and (timezone.now() - last).total_seconds() < WRITE_EVERY_S:
+                return
+            await blocking(sandbox_mark_active)(self.sandbox_id, last)
 
     # -- answers of our own ----------------------------------------------------------------------
 

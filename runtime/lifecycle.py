@@ -10,7 +10,7 @@ from django.utils import timezone
 
 from . import notify
 from .models import Sandbox, SandboxEvent
-from .services import usage
+from .services import previews, usage
 
 S = Sandbox.Status
 
@@ -64,6 +64,7 @@ def transition(
         )
         team_id = row.team_id
         transaction.on_commit(lambda: notify.sandbox_changed(sandbox_id, to, team_id))
+    previews.forget_row(sandbox_id)  # the preview proxy's copy of the row (this process's)
     return True
 
 

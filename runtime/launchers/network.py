@@ -194,6 +194,7 @@ class Network:
         self.exceptions = [ipaddress.IPv4Network(e) for e in exceptions]
         self.nameservers = list(nameservers) if nameservers is not None else _host_nameservers()
         self.resolve = resolve or _resolve
+        self._base_ok = False
 
     # -- the node-wide part ----------------------------------------------------------------
 
@@ -217,6 +218,10 @@ class Network:
         return [str(n) for n in ipaddress.collapse_addresses(out)]
 
     def ensure_base(self) -> None:
+        """The node-wide table, forwarding and NAT for this pool: made once (checked once per
+        process, so a sandbox's start pays nothing for it after that)."""
+        if self._base_ok:
+            return
         self.dir.mkdir(parents=True, exist_ok=True)
         with file_lock(self.dir / ".lock"):
             with open("/proc/sys/net/ipv4/ip_forward", "w") as f:
@@ -227,6 +232,7 @@ class Network:
             if f"ip saddr {self.pool} " not in nat:  # a pool of its own (another state dir, a test)
                 _run(["nft", "add", "rule", "ip", f"{TABLE}_nat", "postrouting", "ip", "saddr", str(self.pool),
                       "oifname", "!=", f"{IFACE_PREFIX}*", "masquerade"])  # fmt: skip
+        self._base_ok = True
 
     def _base_script(self) -> str:
         return f"""
@@ -286,30 +292,23 @@ add chain ip {TABLE}_nat postrouting {{ type nat hook postrouting priority 100; 
         self.ensure_base()
         lease = self._lease(sandbox_id)
         self._delete_links(lease)
-        ns = ["ip", "-n", lease.netns]
-        _run(["ip", "netns", "add", lease.netns])
         try:
-            _run(
-                [
-                    "ip",
-                    "link",
-                    "add",
-                    lease.veth,
-                    "type",
-                    "veth",
-                    "peer",
-                    "name",
-                    "eth0",
-                    "netns",
-                    lease.netns,
-                ]
+            # Two `ip -batch` runs, the host's side and the namespace's: a process each, not one
+            # per command, on the path of every networked sandbox's start.
+            host_side = (
+                f"netns add {lease.netns}\n"
+                f"link add {lease.veth} type veth peer name eth0 netns {lease.netns}\n"
+                f"addr add {lease.host_ip}/{lease.prefix} dev {lease.veth}\n"
+                f"link set {lease.veth} up\n"
             )
-            _run(["ip", "addr", "add", f"{lease.host_ip}/{lease.prefix}", "dev", lease.veth])
-            _run(["ip", "link", "set", lease.veth, "up"])
-            _run([*ns, "addr", "add", f"{lease.sandbox_ip}/{lease.prefix}", "dev", "eth0"])
-            _run([*ns, "link", "set", "eth0", "up"])
-            _run([*ns, "link", "set", "lo", "up"])
-            _run([*ns, "route", "add", "default", "via", lease.host_ip])
+            ns_side = (
+                f"addr add {lease.sandbox_ip}/{lease.prefix} dev eth0\n"
+                "link set eth0 up\n"
+                "link set lo up\n"
+                f"route add default via {lease.host_ip}\n"
+            )
+            _run(["ip", "-batch", "-"], stdin=host_side)
+            _run(["ip", "-n", lease.netns, "-batch", "-"], stdin=ns_side)
             self.apply(sandbox_id, policy, rootfs=rootfs)
         except BaseException:
             self._delete_links(lease)
@@ -393,8 +392,10 @@ add chain ip {TABLE}_nat postrouting {{ type nat hook postrouting priority 100; 
             self._lease_path(sandbox_id).unlink(missing_ok=True)
 
     def _delete_links(self, lease: Lease) -> None:
-        _run(["ip", "link", "delete", lease.veth], check=False)
-        _run(["ip", "netns", "delete", lease.netns], check=False)
+        if os.path.exists(f"/sys/class/net/{lease.veth}"):
+            _run(["ip", "link", "delete", lease.veth], check=False)
+        if os.path.exists(lease.netns_path):
+            _run(["ip", "netns", "delete", lease.netns], check=False)
 
     def refresh(self, sandbox_id: str, policy: Policy, rootfs: Path | None = None) -> bool:
         """Re-resolve the policy's names and re-apply it if an answer changed."""

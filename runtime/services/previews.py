@@ -13,6 +13,7 @@ that host), or an API token of the sandbox's team (``Authorization: Bearer hgr_â
 from __future__ import annotations
 
 import re
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,6 +26,11 @@ from ..models import Sandbox
 from . import audit
 
 MAX_PORTS = 20
+CACHE_S = 1.0
+# The proxy keeps a running sandbox's row a moment: a page load is dozens of requests, each
+# would otherwise read it. Changes made through this process forget it at once; others (a
+# pause by the reaper, a change on another server) are seen within CACHE_S.
+_rows: dict[str, tuple[float, Sandbox]] = {}
 TOKEN_PARAM = "hangar_token"
 COOKIE = "hangar_preview"
 _SALT = "hangar.preview"
@@ -111,6 +117,7 @@ def port_expose(*, sandbox: Sandbox, port: int, public: bool = False) -> Preview
         row.ports = validate_ports(ports)
         row.save(update_fields=["ports", "updated_at"])
         audit.record("sandbox.port", team=row.team, target=sandbox.id, port=port, public=public)
+    forget_row(sandbox.id)
     sandbox.ports = row.ports
     return next(p for p in previews_of(sandbox) if p.port == port)
 
@@ -123,7 +130,25 @@ def port_unexpose(*, sandbox: Sandbox, port: int) -> None:
         row.ports = [p for p in row.ports if p["port"] != port]
         row.save(update_fields=["ports", "updated_at"])
         audit.record("sandbox.unport", team=row.team, target=sandbox.id, port=port)
+    forget_row(sandbox.id)
     sandbox.ports = row.ports
+
+
+def cached_row(sandbox_id: str) -> Sandbox | None:
+    hit = _rows.get(sandbox_id)
+    if hit is not None and time.monotonic() - hit[0] < CACHE_S:
+        return hit[1]
+    return None
+
+
+def remember_row(sandbox: Sandbox) -> None:
+    if len(_rows) > 10_000:
+        _rows.clear()
+    _rows[sandbox.id] = (time.monotonic(), sandbox)
+
+
+def forget_row(sandbox_id: str) -> None:
+    _rows.pop(sandbox_id, None)
 
 
 def port_entry(sandbox: Sandbox, port: int) -> dict[str, Any] | None:

@@ -4,7 +4,9 @@ test server at ``{port}-{id}.localhost`` (the Host header picks the preview)."""
 
 from __future__ import annotations
 
+import hashlib
 import socket
+from pathlib import Path
 from urllib.parse import urlsplit
 
 import httpx
@@ -209,3 +211,52 @@ def test_preview_links_use_the_configured_domain(settings):
     assert previews.parse_host("99999-sbabc.preview.example.com") is None
     token = previews.sign("sbabc", 3000)
     assert previews.verify(token, "sbabc", 3000) and not previews.verify(token, "sbabc", 3001)
+
+
+def _rss_kb(pid: int) -> int:
+    for line in open(f"/proc/{pid}/status"):
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1])
+    raise AssertionError("no VmRSS")
+
+
+def _server_pid(server: str) -> int:
+    port = str(urlsplit(server).port).encode()
+    for p in Path("/proc").iterdir():
+        if not p.name.isdigit():
+            continue
+        try:
+            argv = (p / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if any(b"daphne" in a for a in argv) and port in argv:
+            return int(p.name)
+    raise AssertionError("the test server's process was not found")
+
+
+def test_a_10_mb_download_streams_through_without_being_held_whole(api, server):
+    sb = create(api, ports=[{"port": 8000, "public": True}], memory_mb=256)
+    sid = sb["id"]
+    api.post(
+        f"/sandboxes/{sid}/exec",
+        json={"cmd": "mkdir -p /www && head -c 10485760 /dev/urandom > /www/big.bin"},
+    )
+    want = (
+        api.post(f"/sandboxes/{sid}/exec", json={"cmd": "sha256sum /www/big.bin"}).json()["stdout"].split()[0]
+    )
+    background(api, sid, "httpd -f -p 127.0.0.1:8000 -h /www")
+    wait_until(lambda: api.post(f"/sandboxes/{sid}/exec", json={"cmd": "wget -q -O /dev/null http://127.0.0.1:8000/big.bin"})
+               .json()["exit_code"] == 0, 20, what="httpd")  # fmt: skip
+    pid = _server_pid(server)
+    with preview(server, sid, 8000) as c:
+        c.get("/big.bin")  # once, so what the server keeps for good is in the baseline
+        base = _rss_kb(pid)
+        peak, digest, size = base, hashlib.sha256(), 0
+        with c.stream("GET", "/big.bin") as r:
+            assert r.status_code == 200
+            for chunk in r.iter_bytes():
+                digest.update(chunk)
+                size += len(chunk)
+                peak = max(peak, _rss_kb(pid))
+    assert size == 10 * 1024 * 1024 and digest.hexdigest() == want
+    assert peak - base < 6 * 1024, f"the server grew by {(peak - base) // 1024} MB while streaming 10 MB"

@@ -108,6 +108,12 @@ def test_the_host_and_other_sandboxes_are_out_of_reach_whatever_the_policy(launc
     for addr, p in ((lease.host_ip, port), ("198.18.0.1", port), (other_lease.sandbox_ip, 9000)):
         r = launcher.exec(h, ExecRequest(argv=["sh", "-c", f"echo x | timeout 2 nc {addr} {p}"], timeout=20))
         assert r.exit_code != 0 and b"hi" not in r.stdout, (addr, r)
+    # Listing them changes nothing: they are denied before any policy.
+    launcher.set_network(h["id"], {"egress": "allowlist", "allow": [
+        f"{lease.host_ip}:{port}", f"198.18.0.1:{port}", f"{other_lease.sandbox_ip}:9000"]})  # fmt: skip
+    for addr, p in ((lease.host_ip, port), ("198.18.0.1", port), (other_lease.sandbox_ip, 9000)):
+        r = launcher.exec(h, ExecRequest(argv=["sh", "-c", f"echo x | timeout 2 nc {addr} {p}"], timeout=20))
+        assert r.exit_code != 0 and b"hi" not in r.stdout, (addr, r)
     assert not accepted
     # Link-local (cloud metadata) is refused too, allowlisted or not.
     launcher.set_network(h["id"], {"egress": "allowlist", "allow": ["169.254.169.254"]})
