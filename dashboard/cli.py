@@ -73,9 +73,12 @@ def _prepare_node(settings: Any, *, build_default_image: bool) -> None:
     from runtime.services.images import image_build, images_sync_local
     from runtime.services.nodes import node_register
 
+    tunnel = (
+        f"{settings.HANGAR_NODE_ADDRESS}:{settings.HANGAR_TUNNEL_PORT}" if settings.HANGAR_TUNNEL_PORT else ""
+    )
     node_register(
         name=local_node_name(), runtimes=local_runtimes(), cpu=settings.HANGAR_NODE_CPU, memory_mb=node_memory_mb(),
-        version=_version(),
+        version=_version(), tunnel_address=tunnel,
     )  # fmt: skip
     images = images_sync_local()
     if build_default_image and not images:

@@ -8,6 +8,9 @@ server-sent events and long downloads flow as they come) and websockets alike.
 over it with ``h11`` and websockets with the ``websockets`` library's sans-I/O protocol. The
 ``Host`` the browser sent is passed on, so an app's absolute links keep working.
 
+A sandbox on another node is reached through that node's tunnel listener
+(:mod:`runtime.tunnels`) instead of its agent directly; the rest is the same.
+
 Access (see :mod:`runtime.services.previews`): public ports take anyone; private ones a
 signed token (query parameter, then a cookie for that host), or an API token of the sandbox's
 team. A paused sandbox with ``auto_resume`` is resumed and the request held until its server
@@ -32,7 +35,6 @@ from django.conf import settings
 
 from runtime.aio import blocking
 from runtime.errors import ServiceError
-from runtime.launchers import agent_client
 from runtime.models import Sandbox
 from runtime.services import previews
 
@@ -96,14 +98,14 @@ class Preview:
                 return
             sandbox = await self._running(sandbox)
             await self._activity(force=True, last=sandbox.last_activity_at)
-            sock = await self._tunnel(sandbox)
+            reader, writer = await self._tunnel(sandbox)
         except Denied as d:
             await self._refuse(d)
             return
         if self.scope["type"] == "http":
-            await self._proxy_http(sock)
+            await self._proxy_http(reader, writer)
         else:
-            await self._proxy_websocket(sock)
+            await self._proxy_websocket(reader, writer)
 
     async def _sandbox(self) -> Sandbox:
         # A running sandbox's row is kept a moment (see previews.cached_row).
@@ -196,31 +198,38 @@ class Preview:
         self.resumed = True
         return sandbox
 
-    async def _tunnel(self, sandbox: Sandbox) -> Any:
+    async def _tunnel(self, sandbox: Sandbox) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        """A connection to the port inside: through this node's agent, or through the
+        sandbox's node's tunnel listener (:mod:`runtime.tunnels`)."""
         from runtime.node import local_node_name
+        from runtime.tunnels import TunnelError, open_local, open_remote
 
-        if sandbox.node is None or sandbox.node.name != local_node_name() or not sandbox.handle.get("socket"):
+        node = sandbox.node
+        local = node is not None and node.name == local_node_name()
+        if node is None or (local and not sandbox.handle.get("socket")):
+            raise Denied(
+                503, "The sandbox is not running", f"Sandbox {sandbox.id} has no running agent right now."
+            )
+        if not local and not node.tunnel_address:
             raise Denied(502, "Preview unavailable here",
-                         f"Sandbox {sandbox.id} runs on node {sandbox.node.name if sandbox.node else '?'}; this "
-                         "server serves the previews of its own node's sandboxes. Send the request to that "
-                         "node's Hangar server.")  # fmt: skip
-        client = agent_client.AgentClient(sandbox.handle["socket"])
+                         f"Sandbox {sandbox.id} runs on node {node.name}, which takes no tunnels from other "
+                         "machines: start it with HANGAR_TUNNEL_PORT set (and HANGAR_NODE_ADDRESS), or send the "
+                         "request to that node's own Hangar server.")  # fmt: skip
         # Right after a resume the server inside may still be starting: wait for it a while.
         deadline = time.monotonic() + (
             settings.HANGAR_PREVIEW_RESUME_WAIT_S if getattr(self, "resumed", False) else 0
         )
         while True:
             try:
-                sock = await asyncio.to_thread(client.tunnel, self.port)
-                sock.setblocking(False)
-                return sock
-            except agent_client.AgentFileError as exc:
-                if exc.errno_name != "ECONNREFUSED" or time.monotonic() >= deadline:
-                    raise Denied(502, "Nothing answers on this port",
-                                 f"Nothing in sandbox {sandbox.id} accepts connections on port {self.port} "
-                                 "yet. Start the server (listening on 127.0.0.1 or 0.0.0.0), then reload.") from None  # fmt: skip
-            except agent_client.AgentError as exc:
+                if local:
+                    return await open_local(sandbox.handle["socket"], self.port)
+                return await open_remote(node.tunnel_address, sandbox.id, self.port)
+            except TunnelError as exc:
                 if time.monotonic() >= deadline:
+                    if exc.refused:
+                        raise Denied(502, "Nothing answers on this port",
+                                     f"Nothing in sandbox {sandbox.id} accepts connections on port {self.port} "
+                                     "yet. Start the server (listening on 127.0.0.1 or 0.0.0.0), then reload.") from None  # fmt: skip
                     raise Denied(502, "The sandbox did not answer", f"Sandbox {sandbox.id}: {exc}") from None
             await asyncio.sleep(0.25)
 
@@ -298,8 +307,7 @@ class Preview:
 
     # -- HTTP -------------------------------------------------------------------------------------
 
-    async def _proxy_http(self, sock: Any) -> None:
-        reader, writer = await asyncio.open_connection(sock=sock, limit=READ_CHUNK)
+    async def _proxy_http(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         conn = h11.Connection(h11.CLIENT)
         headers = [
             (k, v)
@@ -371,13 +379,12 @@ class Preview:
 
     # -- websockets -------------------------------------------------------------------------------
 
-    async def _proxy_websocket(self, sock: Any) -> None:
+    async def _proxy_websocket(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         from websockets.client import ClientProtocol
         from websockets.frames import Close, Opcode
         from websockets.http11 import Response
         from websockets.uri import parse_uri
 
-        reader, writer = await asyncio.open_connection(sock=sock, limit=READ_CHUNK)
         await self.receive()  # websocket.connect
         host = self.host.split(":")[0]
         offered = self.scope.get("subprotocols") or None

@@ -271,6 +271,10 @@ HANGAR_NETWORK_POOL = env_str("HANGAR_NETWORK_POOL", "10.88.0.0/16")
 HANGAR_NETWORK_EXCEPTIONS = [
     c.strip() for c in env_str("HANGAR_NETWORK_EXCEPTIONS", "").split(",") if c.strip()
 ]
+# How servers reach sandboxes on other nodes (preview URLs): each node's bridge listens for
+# signed tunnels on this port (0: none; a single machine needs none) at this address.
+HANGAR_TUNNEL_PORT = env_int("HANGAR_TUNNEL_PORT", 0, minimum=0)
+HANGAR_NODE_ADDRESS = env_str("HANGAR_NODE_ADDRESS", "127.0.0.1")
 HANGAR_PREVIEW_DOMAIN = env_str("HANGAR_PREVIEW_DOMAIN", "localhost").strip(".").lower()
 HANGAR_PREVIEW_SCHEME = env_str("HANGAR_PREVIEW_SCHEME", "http")
 HANGAR_PREVIEW_PORT = env_int("HANGAR_PREVIEW_PORT", env_int("HANGAR_PORT", 8000), minimum=0)

@@ -101,6 +101,13 @@ class Bridge:
         self.loop = asyncio.get_running_loop()
         await asyncio.to_thread(_mark_lost_on_start, self.node_name)
         housekeeping = asyncio.create_task(self._housekeeping())
+        tunnel_server = None
+        if settings.HANGAR_TUNNEL_PORT:  # other machines' servers reach this node's sandboxes
+            from .tunnels import serve
+
+            tunnel_server = await serve(
+                settings.HANGAR_NODE_ADDRESS, settings.HANGAR_TUNNEL_PORT, self.node_name
+            )
         log.info("bridge for node %s listening on %s", self.node_name, self.channel)
         if ready is not None:
             ready.set()
@@ -113,6 +120,8 @@ class Bridge:
                     log.exception("bridge: failed to handle %s", msg.get("type"))
         finally:
             housekeeping.cancel()
+            if tunnel_server is not None:
+                tunnel_server.close()
             for lp in list(self.procs.values()):
                 with contextlib.suppress(Exception):
                     lp.process.close()

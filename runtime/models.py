@@ -86,6 +86,7 @@ class Node(models.Model):
     cpu_capacity = models.FloatField(default=1.0)
     memory_mb_capacity = models.IntegerField(default=1024)
     version = models.CharField(max_length=32, blank=True)
+    tunnel_address = models.CharField(max_length=200, blank=True)  # host:port of its tunnels
     heartbeat_at = models.DateTimeField(null=True, blank=True)
     started_at = models.DateTimeField(null=True, blank=True)
     created_at = models.DateTimeField(auto_now_add=True)

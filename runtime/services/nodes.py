@@ -20,7 +20,9 @@ ACTIVE = [
 ]  # fmt: skip
 
 
-def node_register(*, name: str, runtimes: list[str], cpu: float, memory_mb: int, version: str = "") -> Node:
+def node_register(
+    *, name: str, runtimes: list[str], cpu: float, memory_mb: int, version: str = "", tunnel_address: str = ""
+) -> Node:
     """Create or refresh this node's row and mark it online."""
     now = timezone.now()
     node, _ = Node.objects.update_or_create(
@@ -30,6 +32,7 @@ def node_register(*, name: str, runtimes: list[str], cpu: float, memory_mb: int,
             "cpu_capacity": cpu,
             "memory_mb_capacity": memory_mb,
             "version": version,
+            "tunnel_address": tunnel_address,
             "status": Node.Status.ONLINE,
             "heartbeat_at": now,
             "started_at": now,

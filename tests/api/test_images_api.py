@@ -114,7 +114,7 @@ def test_the_images_page_socket_pushes_jobs_as_they_move(staff_api, client):
         (b"host", b"testserver"),
     ]
 
-    async def main() -> str:
+    async def main() -> tuple[str, int]:
         comm = WebsocketCommunicator(application, "/ws/ui/images", headers=headers)
         assert (await comm.connect())[0]
         job_id = (await asyncio.to_thread(staff_api.post, "/images/build", json={"kind": "busybox"})).json()[
@@ -124,18 +124,15 @@ def test_the_images_page_socket_pushes_jobs_as_they_move(staff_api, client):
         while f'id="job-{job_id}" data-status="succeeded"' not in html:
             html = await comm.receive_from(60)
         await comm.disconnect()
-        return html
-
-    html = asyncio.run(main())
-    assert 'id="jobs-body" hx-swap-oob="true"' in html and 'id="images-body"' in html
-
-    # Token clients are for the API's sockets; these pages are the browser's.
-    async def with_token() -> int:
+        # Token clients are for the API's sockets; these pages are the browser's. (In the same
+        # event loop: the consumers' thread-sensitive database calls belong to one loop.)
         comm = WebsocketCommunicator(
             application, "/ws/ui/images", headers=[(b"authorization", b"Bearer hgr_x")]
         )
         connected, code = await comm.connect()
         assert not connected
-        return code
+        return html, code
 
-    assert asyncio.run(with_token()) == 4401
+    html, code = asyncio.run(main())
+    assert 'id="jobs-body" hx-swap-oob="true"' in html and 'id="images-body"' in html
+    assert code == 4401

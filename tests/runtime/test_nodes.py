@@ -10,17 +10,20 @@ import sys
 import tempfile
 from pathlib import Path
 
+import httpx
+
 from runtime.models import Node, Sandbox, Team
 from runtime.services import sandboxes as svc
-from tests.support import die_with_parent, requires_runsc, wait_until
+from tests.support import die_with_parent, free_port, requires_runsc, wait_until
 
 ROOT = Path(__file__).resolve().parent.parent.parent
 
 
 @requires_runsc
-def test_second_node_joins_and_runs_sandboxes(service_env, celery_worker, local_node):
+def test_second_node_joins_and_runs_sandboxes(service_env, celery_worker, local_node, server):
     log_path = Path(tempfile.mkdtemp()) / "node-b.log"
-    env = {**service_env, "HANGAR_NODE_NAME": "node-b"}
+    tunnel_port = free_port()
+    env = {**service_env, "HANGAR_NODE_NAME": "node-b", "HANGAR_TUNNEL_PORT": str(tunnel_port)}
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(
             [sys.executable, "-m", "dashboard.cli", "node", "--concurrency", "4", "--log-level", "INFO"],
@@ -44,6 +47,34 @@ def test_second_node_joins_and_runs_sandboxes(service_env, celery_worker, local_
         # This process is not node-b: exec and files travel through node-b's queue.
         out = svc.sandbox_exec(sandbox=sandbox, cmd="echo $HANGAR_SANDBOX_ID")
         assert out.result.stdout.decode().strip() == sandbox.id
+
+        # A preview URL served by a server that is not node-b: through node-b's tunnel.
+        assert node_b.tunnel_address == f"127.0.0.1:{tunnel_port}"
+        from runtime.services.previews import port_expose
+
+        port_expose(sandbox=sandbox, port=8000, public=True)
+        svc.sandbox_file_write(sandbox=sandbox, path="/www/index.html", data=b"served by node-b\n")
+        from asgiref.sync import async_to_sync
+
+        from runtime.services.processes import process_start
+
+        async_to_sync(process_start)(
+            sandbox=sandbox, cmd="httpd -f -p 127.0.0.1:8000 -h /www", kind="background"
+        )
+        wait_until(lambda: httpx.get(f"{server}/", headers={"Host": f"8000-{sandbox.id}.localhost"}).status_code
+                   == 200, 20, what="the preview through node-b")  # fmt: skip
+        r = httpx.get(f"{server}/", headers={"Host": f"8000-{sandbox.id}.localhost"})
+        assert r.text == "served by node-b\n"
+        # A tunnel request without the shared key's signature is refused by the node.
+        import json
+        import socket
+
+        with socket.create_connection(("127.0.0.1", tunnel_port)) as raw:
+            raw.sendall(
+                json.dumps({"sandbox": sandbox.id, "port": 8000, "expires": 2**31, "sig": "x"}).encode()
+                + b"\n"
+            )
+            assert raw.recv(100).startswith(b"ERR")
         svc.sandbox_delete(sandbox=sandbox)
         wait_until(
             lambda: Sandbox.objects.get(id=sandbox.id).status == Sandbox.Status.DELETED, 30, what="deleted"
