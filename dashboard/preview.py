@@ -28,13 +28,13 @@ import time
 from collections.abc import Awaitable, Callable
 from http.cookies import SimpleCookie
 from typing import Any
-from urllib.parse import parse_qsl, urlencode
+from urllib.parse import parse_qsl
 
 import h11
 from django.conf import settings
 
 from runtime.aio import blocking
-from runtime.errors import ServiceError
+from runtime.errors import Conflict, ServiceError
 from runtime.models import Sandbox
 from runtime.services import previews
 
@@ -83,8 +83,11 @@ class Preview:
         self.port, self.sandbox_id = port, sandbox_id
         self.host = _header(scope, b"host").decode("latin-1")
         self.query = parse_qsl(scope.get("query_string", b"").decode("latin-1"), keep_blank_values=True)
+        # What goes upstream: the query as the browser sent it, less only Hangar's token.
+        self.raw_query: bytes = scope.get("query_string", b"")
+        self.resumed = False
+        self.started = False
         self.set_cookie: str | None = None
-        self.strip_authorization = False
         self.last_activity = 0.0
 
     # -- the request's way in ------------------------------------------------------------------
@@ -132,22 +135,36 @@ class Preview:
         entry = previews.port_entry(sandbox, self.port) or {}
         token = next((v for k, v in self.query if k == previews.TOKEN_PARAM), None)
         if token is not None:
-            self.query = [(k, v) for k, v in self.query if k != previews.TOKEN_PARAM]
+            name = previews.TOKEN_PARAM.encode()
+            self.raw_query = b"&".join(p for p in self.raw_query.split(b"&") if p.split(b"=", 1)[0] != name)
         if entry.get("public"):
             return None
         if token is not None and previews.verify(token, sandbox.id, self.port):
             if self.scope["type"] == "http" and self.scope.get("method") in ("GET", "HEAD"):
-                # Into a cookie for this host, and the URL without it (not left in history).
+                # Into a cookie for this host, and the URL without it (not left in history). The
+                # path keeps one leading slash: "//elsewhere/" would send the browser away.
                 self.set_cookie = token
-                path = self.scope.get("raw_path") or self.scope["path"].encode()
-                qs = urlencode(self.query)
-                return path.decode("latin-1") + (f"?{qs}" if qs else "")
+                path = "/" + (self.scope.get("raw_path") or self.scope["path"].encode()).decode(
+                    "latin-1"
+                ).lstrip("/")
+                return path + (f"?{self.raw_query.decode('latin-1')}" if self.raw_query else "")
             return None
         cookie = SimpleCookie()
         with contextlib.suppress(Exception):
             cookie.load(_header(self.scope, b"cookie").decode("latin-1"))
         morsel = cookie.get(previews.COOKIE)
         if morsel is not None and previews.verify(morsel.value, sandbox.id, self.port):
+            # A cookie rides along with requests other pages start, previews of other sandboxes
+            # included (same site): whatever can change something must come from this origin.
+            origin = _header(self.scope, b"origin").decode("latin-1")
+            changes = self.scope["type"] == "websocket" or self.scope.get("method") not in (
+                "GET",
+                "HEAD",
+                "OPTIONS",
+            )
+            if changes and origin and origin != f"{settings.HANGAR_PREVIEW_SCHEME}://{self.host}":
+                raise Denied(403, "Cross-site request refused",
+                             f"A request from {origin} may not use this preview's sign-in cookie.")  # fmt: skip
             return None
         auth = _header(self.scope, b"authorization").decode("latin-1")
         if auth.lower().startswith("bearer hgr_"):
@@ -159,7 +176,6 @@ class Preview:
                 and api_token.team_id == sandbox.team_id
                 and token_allows(api_token, "sandboxes:read")
             ):
-                self.strip_authorization = True
                 return None
         raise Denied(401, "This preview is private",
                      "Open it from the link Hangar gives (the sandbox's page, or its previews in the API), "
@@ -182,7 +198,7 @@ class Preview:
             if row.status == S.PAUSING:  # let the pause finish, then resume
                 row = svc.sandbox_wait(sandbox=row, timeout=wait, statuses=[S.PAUSED, S.FAILED, S.DELETED])
             if row.status == S.PAUSED:
-                with contextlib.suppress(ServiceError):  # another request resumed it first
+                with contextlib.suppress(Conflict):  # another request resumed it first
                     svc.sandbox_resume(sandbox=row)
             row = svc.sandbox_wait(sandbox=row, timeout=wait)
             return Sandbox.objects.select_related("node", "team").get(id=sandbox.id)
@@ -216,9 +232,7 @@ class Preview:
                          "machines: start it with HANGAR_TUNNEL_PORT set (and HANGAR_NODE_ADDRESS), or send the "
                          "request to that node's own Hangar server.")  # fmt: skip
         # Right after a resume the server inside may still be starting: wait for it a while.
-        deadline = time.monotonic() + (
-            settings.HANGAR_PREVIEW_RESUME_WAIT_S if getattr(self, "resumed", False) else 0
-        )
+        deadline = time.monotonic() + (settings.HANGAR_PREVIEW_RESUME_WAIT_S if self.resumed else 0)
         while True:
             try:
                 if local:
@@ -283,8 +297,7 @@ class Preview:
 
     def _target(self) -> bytes:
         path = self.scope.get("raw_path") or self.scope["path"].encode()
-        qs = urlencode(self.query)
-        return path + (b"?" + qs.encode("latin-1") if qs else b"")
+        return path + (b"?" + self.raw_query if self.raw_query else b"")
 
     def _upstream_headers(self) -> list[tuple[bytes, bytes]]:
         out = []
@@ -292,8 +305,8 @@ class Preview:
             k = k.lower()
             if k in HOP_BY_HOP or k.startswith(b"sec-websocket-"):
                 continue
-            if k == b"authorization" and self.strip_authorization:
-                continue  # a Hangar token is Hangar's, not the app's
+            if k == b"authorization" and v.lower().startswith(b"bearer hgr_"):
+                continue  # a Hangar token is Hangar's, never the app's, whatever let the request in
             if k == b"cookie":
                 kept = [c for c in v.split(b";") if not c.strip().startswith(previews.COOKIE.encode() + b"=")]
                 if not kept:
@@ -315,21 +328,20 @@ class Preview:
             if k != b"transfer-encoding" or v.lower() == b"chunked"
         ]
         headers.append((b"connection", b"close"))
-        started = False
         try:
             writer.write(
                 conn.send(h11.Request(method=self.scope["method"], target=self._target(), headers=headers))
             )
             body_task = asyncio.create_task(self._request_body(conn, writer))
             try:
-                started = await self._response(conn, reader)
+                await self._response(conn, reader)
             finally:
                 body_task.cancel()
                 with contextlib.suppress(asyncio.CancelledError, Exception):
                     await body_task
         except (h11.ProtocolError, OSError, ConnectionError) as exc:
             log.info("preview %s:%s: %s", self.sandbox_id, self.port, exc)
-            if not started:
+            if not self.started:
                 await self._refuse(Denied(502, "Bad answer from the server",
                                           f"The server on port {self.port} did not answer in HTTP/1.1: {exc}"))  # fmt: skip
             else:
@@ -354,8 +366,7 @@ class Preview:
             await writer.drain()
             await self._activity()
 
-    async def _response(self, conn: h11.Connection, reader: asyncio.StreamReader) -> bool:
-        started = False
+    async def _response(self, conn: h11.Connection, reader: asyncio.StreamReader) -> None:
         while True:
             event = conn.next_event()
             if event is h11.NEED_DATA:
@@ -369,13 +380,13 @@ class Preview:
                 await self.send(
                     {"type": "http.response.start", "status": event.status_code, "headers": headers}
                 )
-                started = True
+                self.started = True
             elif isinstance(event, h11.Data):
                 await self.send({"type": "http.response.body", "body": bytes(event.data), "more_body": True})
                 await self._activity()
             elif isinstance(event, h11.EndOfMessage | h11.ConnectionClosed):
                 await self.send({"type": "http.response.body", "body": b"", "more_body": False})
-                return started
+                return
 
     # -- websockets -------------------------------------------------------------------------------
 
@@ -406,19 +417,26 @@ class Preview:
                 if data:
                     writer.write(data)
 
-        flush()
         response = None
-        while response is None:
-            data = await reader.read(READ_CHUNK)
-            if data:
-                proto.receive_data(data)
-            else:
-                proto.receive_eof()
-            for ev in proto.events_received():
-                if isinstance(ev, Response):
-                    response = ev
-            if not data and response is None:
-                break
+        early: list[Any] = []  # frames that came with the handshake's answer (a greeting)
+        try:
+            flush()
+            while response is None:
+                data = await reader.read(READ_CHUNK)
+                if data:
+                    proto.receive_data(data)
+                else:
+                    proto.receive_eof()
+                for ev in proto.events_received():
+                    if isinstance(ev, Response):
+                        response = ev
+                    elif response is not None:
+                        early.append(ev)
+                if not data and response is None:
+                    break
+        except (OSError, ConnectionError) as exc:
+            log.info("preview websocket %s:%s: %s", self.sandbox_id, self.port, exc)
+            response = None
         if response is None or proto.handshake_exc is not None:
             log.info(
                 "preview websocket %s:%s refused upstream: %s",
@@ -436,13 +454,17 @@ class Preview:
         async def downstream() -> None:  # the server → the browser
             parts: list[bytes] = []
             text = False
+            pending = early
             while True:
-                data = await reader.read(READ_CHUNK)
-                if data:
-                    proto.receive_data(data)
-                else:
-                    proto.receive_eof()
-                for frame in proto.events_received():
+                data = b"-"
+                if not pending:
+                    data = await reader.read(READ_CHUNK)
+                    if data:
+                        proto.receive_data(data)
+                    else:
+                        proto.receive_eof()
+                frames, pending = pending + proto.events_received(), []
+                for frame in frames:
                     if frame.opcode in (Opcode.TEXT, Opcode.BINARY):
                         parts, text = [frame.data], frame.opcode == Opcode.TEXT
                     elif frame.opcode == Opcode.CONT:

@@ -268,6 +268,10 @@ HANGAR_INVITATION_TTL_S = env_int("HANGAR_INVITATION_TTL_S", 7 * 86400, minimum=
 # Sandbox networks: each sandbox with egress gets a /30 from this pool; the exceptions are
 # CIDRs taken out of the always-denied ranges (a registry on the management network, say).
 HANGAR_NETWORK_POOL = env_str("HANGAR_NETWORK_POOL", "10.88.0.0/16")
+# Resolvers for sandboxes with egress "all" (default: the node's own, unless loopback).
+HANGAR_NETWORK_NAMESERVERS = [
+    c.strip() for c in env_str("HANGAR_NETWORK_NAMESERVERS", "").split(",") if c.strip()
+]
 HANGAR_NETWORK_EXCEPTIONS = [
     c.strip() for c in env_str("HANGAR_NETWORK_EXCEPTIONS", "").split(",") if c.strip()
 ]

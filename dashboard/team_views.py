@@ -9,6 +9,7 @@ ones; what a role may not do is refused by the service, and the page says why.
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -67,14 +68,23 @@ def _is_admin(tc: TeamContext) -> bool:
     return tc.membership is not None and auth_svc.role_at_least(tc.membership.role, "admin")
 
 
+def _int(value: str, name: str) -> int:
+    if not (value or "").strip().isdigit():
+        raise InvalidValue(f"{name} must be a whole number, got {value!r}")
+    return int(value)
+
+
 def _number(value: str, name: str) -> float | None:
     value = (value or "").strip()
     if not value:
         return None
     try:
-        return float(value)
+        number = float(value)
     except ValueError:
         raise InvalidValue(f"{name} must be a number, got {value!r}") from None
+    if not math.isfinite(number) or number > 1e12:
+        raise InvalidValue(f"{name} must be a finite number, got {value!r}")
+    return number
 
 
 # -- the Team page ----------------------------------------------------------------------------
@@ -106,9 +116,6 @@ def _team_action(request: HttpRequest, tc: TeamContext, caller: SessionCaller) -
         return (
             f"Invitation created for a new {issued.invitation.role}: copy the link below, it is shown once."
         )
-    if action == "invite_revoke":
-        auth_svc.invitation_revoke(team=team, invitation_id=int(post.get("invitation", "0") or 0))
-        return "Invitation revoked."
     if action == "token_create":
         days = _number(post.get("days", ""), "days")
         scopes = [s.strip() for s in post.get("scopes", "").replace(",", " ").split() if s.strip()]
@@ -118,10 +125,13 @@ def _team_action(request: HttpRequest, tc: TeamContext, caller: SessionCaller) -
         request.session["hangar_new_token"] = issued.raw
         return "Token created: copy it now, it is shown once."
     if action == "token_revoke":
-        auth_svc.token_revoke(caller=caller, token_id=int(post.get("token", "0") or 0))  # type: ignore[arg-type]
+        auth_svc.token_revoke(caller=caller, token_id=_int(post.get("token", ""), "token"))  # type: ignore[arg-type]
         return "Token revoked."
     if not _is_admin(tc):
         raise Forbidden(f"only admins and owners change this; you are {caller.effective_role}")
+    if action == "invite_revoke":
+        auth_svc.invitation_revoke(team=team, invitation_id=_int(post.get("invitation", ""), "invitation"))
+        return "Invitation revoked."
     if action == "secret_create":
         secret = secret_svc.secret_create(team=team, name=post.get("name", "").strip(), value=post.get("value", ""),
                                           user=request.user)  # fmt: skip

@@ -30,6 +30,7 @@ def launcher_for(runtime: str) -> Launcher:
             agent_cache_dir=str(settings.DATA_DIR / "bin"),
             network_pool=settings.HANGAR_NETWORK_POOL,
             network_exceptions=tuple(settings.HANGAR_NETWORK_EXCEPTIONS),
+            network_nameservers=tuple(settings.HANGAR_NETWORK_NAMESERVERS),
         )
     return get_launcher(runtime, state_dir=str(settings.HANGAR_RUNTIME_DIR / runtime))
 

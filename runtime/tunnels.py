@@ -50,6 +50,8 @@ def request_line(sandbox_id: str, port: int) -> bytes:
 def check_line(line: bytes) -> tuple[str, int]:
     """(sandbox id, port) of a request line, or ValueError."""
     body = json.loads(line)
+    if not isinstance(body, dict):
+        raise ValueError("not an object")
     sandbox_id, port, expires = str(body["sandbox"]), int(body["port"]), int(body["expires"])
     if not hmac.compare_digest(str(body.get("sig", "")), _sig(sandbox_id, port, expires)):
         raise ValueError("bad signature")
@@ -116,7 +118,7 @@ async def _handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, no
         if len(line) > LINE_LIMIT:
             raise ValueError("request too long")
         sandbox_id, port = check_line(line)
-    except (ValueError, KeyError, TimeoutError, OSError) as exc:
+    except (ValueError, KeyError, TypeError, TimeoutError, OSError) as exc:
         log.warning("tunnel from %s refused: %s", writer.get_extra_info("peername"), exc)
         writer.write(b"ERR a bad tunnel request\n")
         writer.close()

@@ -178,3 +178,18 @@ def test_the_create_form_sets_the_network_and_explains_a_bad_one(client, crew):
         "egress": "allowlist",
         "allow": ["github.com", "10.20.0.0/16"],
     }
+
+
+def test_viewers_cannot_revoke_invitations_and_bad_numbers_are_messages(client, crew):
+    from runtime.models import Invitation
+    from runtime.services import auth as auth_svc
+
+    issued = auth_svc.invitation_create(inviter_role="owner", user=None, team=crew, role="member")
+    client.force_login(_member("vic", crew, "viewer"))
+    r = client.post("/team/settings/", {"action": "invite_revoke", "invitation": str(issued.invitation.id)})
+    assert r.status_code == 403 and Invitation.objects.get(id=issued.invitation.id).revoked_at is None
+    client.force_login(_member("ada", crew, "admin"))
+    for form in ({"action": "invite", "role": "member", "days": "inf"}, {"action": "token_revoke", "token": "x"},
+                 {"action": "quotas", "sandboxes": "nan"}):  # fmt: skip
+        r = client.post("/team/settings/", form)
+        assert r.status_code == 422, (form, r.status_code)

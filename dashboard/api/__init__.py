@@ -58,11 +58,9 @@ def _audit_refusal(request: HttpRequest, status: int, message: str) -> None:
     except RuntimeError:  # a sync view: write here
         write()
         return
-    # An async view's handler runs on the event loop, where the ORM may not: one insert, on a
-    # thread of its own, waited for (so the record exists once the caller has the answer).
-    t = threading.Thread(target=write, name="audit-refusal")
-    t.start()
-    t.join(timeout=10)
+    # An async view's handler runs on the event loop, where the ORM may not, and which must not
+    # wait on the database: the insert goes on a thread of its own.
+    threading.Thread(target=write, name="audit-refusal", daemon=True).start()
 
 
 @api.exception_handler(AuthenticationError)

@@ -99,9 +99,11 @@ class GVisorLauncher(Launcher):
         extra_flags: tuple[str, ...] = (),
         network_pool: str = "10.88.0.0/16",
         network_exceptions: tuple[str, ...] = (),
+        network_nameservers: tuple[str, ...] = (),
     ) -> None:
         self.state_dir = Path(state_dir)
-        self.network = Network(self.state_dir, pool=network_pool, exceptions=network_exceptions)
+        self.network = Network(self.state_dir, pool=network_pool, exceptions=network_exceptions,
+                               nameservers=network_nameservers)  # fmt: skip
         self.root = self.state_dir / "runsc-root"
         self.sandboxes_dir = self.state_dir / "sandboxes"
         self.runsc = runsc
@@ -221,14 +223,15 @@ class GVisorLauncher(Launcher):
             for saved in ("checkpoint", "checkpoint.partial"):
                 shutil.rmtree(d / saved, ignore_errors=True)
             policy = validate_policy(spec.network)
-            lease = None
+            lease, names = None, {}
             if policy.enabled:
                 try:
-                    lease = self.network.setup(spec.id, policy, rootfs=d / "rootfs")
+                    lease, names = self.network.setup(spec.id, policy)
                 except LauncherError:
                     self._destroy_locked(spec.id)
                     raise
-            (d / "bundle" / "config.json").write_text(json.dumps(self._oci_spec(spec, d, lease)))
+            # The bundle holds the environment, secrets included: readable by root only.
+            _write_private(d / "bundle" / "config.json", json.dumps(self._oci_spec(spec, d, lease)))
             (d / "handle.json").write_text(json.dumps(handle))
             if self._has_runtime_state(spec.id):
                 # A leftover container from a crashed earlier attempt would make `run` fail.
@@ -245,11 +248,14 @@ class GVisorLauncher(Launcher):
                 tail = self._console_tail(d)
                 self._destroy_locked(spec.id)
                 raise LauncherError(f"sandbox agent did not come up: {exc}; console: {tail}") from exc
+            if lease is not None:
+                self._write_resolution(spec.id, policy, names)
             return handle
 
     def _mount_dirs(self, d: Path, spec: SandboxSpec) -> None:
         for sub in ("upper", "work", "rootfs", "run", "bundle"):
             (d / sub).mkdir(parents=True, exist_ok=True)
+        d.chmod(0o700)  # its files and bundle (the environment, secrets included) are root's only
         if not _is_mounted(d / "run"):
             # The sandbox can write into this bind mount: a tiny tmpfs keeps it from filling
             # the host's disk through it.
@@ -526,8 +532,8 @@ class GVisorLauncher(Launcher):
             self._write_resolution(sandbox_id, parsed, names)
 
     def _write_resolution(self, sandbox_id: str, policy: Policy, names: dict[str, list[str]]) -> None:
-        # Through the agent: gVisor caches the root filesystem, so a file changed from the host
-        # under a running sandbox may not be seen inside.
+        # Through the agent, inside the sandbox: a write from the host into its root would
+        # follow a symlinked /etc out of it, and gVisor caches the root filesystem anyway.
         client = self._client(self._handle_for(sandbox_id))
         for path, text in self.network.resolution_files(policy, names).items():
             with contextlib.suppress(agent_client.AgentError):
@@ -543,13 +549,16 @@ class GVisorLauncher(Launcher):
                     continue  # not in the snapshot of live ones, but running: leave it
                 self.network.cleanup(sandbox_id)
                 cleaned.append(sandbox_id)
-        for sandbox_id, policy in live.items():
-            parsed = validate_policy(policy)
+        for sandbox_id in live:
             if self.network.lease_of(sandbox_id) is None:
                 continue
-            with contextlib.suppress(LauncherError):
-                if self.network.refresh(sandbox_id, parsed):
-                    self._write_resolution(sandbox_id, parsed, self.network._resolved(parsed)[1])
+            # Under the sandbox's lock, with the policy in force on the node (not the database's
+            # snapshot): a change applied meanwhile is never undone here.
+            with file_lock(self.sandboxes_dir / f".{sandbox_id}.lock"), contextlib.suppress(LauncherError):
+                names = self.network.refresh(sandbox_id)
+                policy = self.network.applied(sandbox_id)
+                if names is not None and policy is not None:
+                    self._write_resolution(sandbox_id, policy, names)
         return cleaned
 
     def _destroy_locked(self, sandbox_id: str) -> None:
@@ -802,6 +811,16 @@ def _cgroup_dirs(sandbox_id: str) -> list[Path]:
     return [
         r / CGROUP_PARENT / sandbox_id for r in _cgroup_roots() if (r / CGROUP_PARENT / sandbox_id).is_dir()
     ]
+
+
+def _write_private(path: Path, text: str) -> None:
+    """``path`` replaced by ``text``, mode 0600 from the start."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.unlink(missing_ok=True)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
 
 
 def _unlink_socket(path: str) -> None:

@@ -192,15 +192,16 @@ class Network:
             raise NetworkError(f"the sandbox address pool {pool} is too small")
         self.slots = self.pool.num_addresses // 4
         self.exceptions = [ipaddress.IPv4Network(e) for e in exceptions]
-        self.nameservers = list(nameservers) if nameservers is not None else _host_nameservers()
+        self.nameservers = list(nameservers) if nameservers else _host_nameservers()
         self.resolve = resolve or _resolve
         self._base_ok = False
 
     # -- the node-wide part ----------------------------------------------------------------
 
     def denied(self) -> list[str]:
-        """Always-denied networks, minus an admin's exceptions, plus the pool."""
-        nets = [ipaddress.IPv4Network(n) for n in ALWAYS_DENIED] + [self.pool]
+        """Always-denied networks, minus an admin's exceptions, plus the pool (other sandboxes,
+        which no exception opens)."""
+        nets = [ipaddress.IPv4Network(n) for n in ALWAYS_DENIED]
         out: list[ipaddress.IPv4Network] = []
         for net in nets:
             pieces = [net]
@@ -215,7 +216,7 @@ class Network:
                         nxt.append(p)
                 pieces = nxt
             out.extend(pieces)
-        return [str(n) for n in ipaddress.collapse_addresses(out)]
+        return [str(n) for n in ipaddress.collapse_addresses([*out, self.pool])]
 
     def ensure_base(self) -> None:
         """The node-wide table, forwarding and NAT for this pool: made once (checked once per
@@ -285,10 +286,11 @@ add chain ip {TABLE}_nat postrouting {{ type nat hook postrouting priority 100; 
 
     # -- one sandbox ------------------------------------------------------------------------
 
-    def setup(self, sandbox_id: str, policy: Policy, rootfs: Path | None = None) -> Lease:
+    def setup(self, sandbox_id: str, policy: Policy) -> tuple[Lease, dict[str, list[str]]]:
         """The sandbox's namespace, veth and addresses, fresh (runsc takes the addresses over
-        each time it starts), and its policy. ``rootfs``: where to write /etc/hosts and
-        /etc/resolv.conf."""
+        each time it starts), and its policy; returns the lease and the pinned names (which the
+        launcher writes into the sandbox through its agent, never from the host: a host-side
+        write into the sandbox's root would follow a symlinked /etc out of it)."""
         self.ensure_base()
         lease = self._lease(sandbox_id)
         self._delete_links(lease)
@@ -309,11 +311,11 @@ add chain ip {TABLE}_nat postrouting {{ type nat hook postrouting priority 100; 
             )
             _run(["ip", "-batch", "-"], stdin=host_side)
             _run(["ip", "-n", lease.netns, "-batch", "-"], stdin=ns_side)
-            self.apply(sandbox_id, policy, rootfs=rootfs)
+            names = self.apply(sandbox_id, policy)
         except BaseException:
             self._delete_links(lease)
             raise
-        return lease
+        return lease, names
 
     def _resolved(self, policy: Policy) -> tuple[list[tuple[str, int | None]], dict[str, list[str]]]:
         """(address or network, port) pairs the policy allows, and each host name's addresses."""
@@ -328,20 +330,27 @@ add chain ip {TABLE}_nat postrouting {{ type nat hook postrouting priority 100; 
             pairs.extend((addr, a.port) for addr in addrs)
         return pairs, names
 
-    def apply(self, sandbox_id: str, policy: Policy, rootfs: Path | None = None) -> dict[str, list[str]]:
+    def apply(self, sandbox_id: str, policy: Policy) -> dict[str, list[str]]:
         """Put the policy in force, atomically; returns the host names' pinned addresses."""
         lease = self.lease_of(sandbox_id)
         if lease is None:
             raise NetworkError(f"sandbox {sandbox_id} has no network")
         chain = f"sb_{sandbox_id}"
         pairs, names = self._resolved(policy) if policy.egress == "allowlist" else ([], {})
+        # Only packets leaving the sandbox reach this chain, and every one is judged: no
+        # "established" shortcut, so a connection opened under a looser policy stops at once.
         lines = [
             f"add chain inet {TABLE} {chain}",
             f"flush chain inet {TABLE} {chain}",
-            f"add rule inet {TABLE} {chain} ct state established,related accept",
             f"add rule inet {TABLE} {chain} meta nfproto ipv6 drop",
-            f"add rule inet {TABLE} {chain} ip daddr {{ {', '.join(self.denied())} }} drop",
         ]
+        if policy.egress == "all" and self.nameservers:  # its resolvers, wherever they are
+            servers = ", ".join(self.nameservers)
+            for proto in ("udp", "tcp"):
+                lines.append(
+                    f"add rule inet {TABLE} {chain} ip daddr {{ {servers} }} {proto} dport 53 accept"
+                )
+        lines.append(f"add rule inet {TABLE} {chain} ip daddr {{ {', '.join(self.denied())} }} drop")
         if policy.egress == "all":
             lines.append(f"add rule inet {TABLE} {chain} accept")
         elif policy.egress == "allowlist":
@@ -357,9 +366,17 @@ add chain ip {TABLE}_nat postrouting {{ type nat hook postrouting priority 100; 
         lines.append(f"add rule inet {TABLE} {chain} drop")
         lines.append(f'add element inet {TABLE} by_iface {{ "{lease.veth}" : jump {chain} }}')
         _run(["nft", "-f", "-"], stdin="\n".join(lines) + "\n")
-        if rootfs is not None:
-            self._write_resolution(rootfs, policy, names)
+        # What is in force, for refresh(): the node's own record, not a database snapshot.
+        self._policy_path(sandbox_id).write_text(json.dumps(policy.as_dict()))
         return names
+
+    def _policy_path(self, sandbox_id: str) -> Path:
+        return self.dir / "leases" / f"{sandbox_id}.policy"
+
+    def applied(self, sandbox_id: str) -> Policy | None:
+        with contextlib.suppress(OSError, ValueError):
+            return validate_policy(json.loads(self._policy_path(sandbox_id).read_text()))
+        return None
 
     def resolution_files(self, policy: Policy, names: dict[str, list[str]]) -> dict[str, str]:
         """/etc/hosts (the pinned names) and /etc/resolv.conf for the sandbox: allowlisted
@@ -373,11 +390,6 @@ add chain ip {TABLE}_nat postrouting {{ type nat hook postrouting priority 100; 
         )
         return {"/etc/hosts": "\n".join(hosts) + "\n", "/etc/resolv.conf": resolv}
 
-    def _write_resolution(self, rootfs: Path, policy: Policy, names: dict[str, list[str]]) -> None:
-        (rootfs / "etc").mkdir(parents=True, exist_ok=True)
-        for path, text in self.resolution_files(policy, names).items():
-            _replace(rootfs / path.lstrip("/"), text)
-
     def teardown(self, sandbox_id: str, release: bool = True) -> None:
         """Remove the namespace, the veth and the sandbox's rules; ``release``: its addresses too."""
         lease = self.lease_of(sandbox_id)
@@ -390,6 +402,7 @@ add chain ip {TABLE}_nat postrouting {{ type nat hook postrouting priority 100; 
         _run(["nft", "delete", "chain", "inet", TABLE, chain], check=False)
         if release:
             self._lease_path(sandbox_id).unlink(missing_ok=True)
+            self._policy_path(sandbox_id).unlink(missing_ok=True)
 
     def _delete_links(self, lease: Lease) -> None:
         if os.path.exists(f"/sys/class/net/{lease.veth}"):
@@ -397,19 +410,25 @@ add chain ip {TABLE}_nat postrouting {{ type nat hook postrouting priority 100; 
         if os.path.exists(lease.netns_path):
             _run(["ip", "netns", "delete", lease.netns], check=False)
 
-    def refresh(self, sandbox_id: str, policy: Policy, rootfs: Path | None = None) -> bool:
-        """Re-resolve the policy's names and re-apply it if an answer changed."""
-        if policy.egress != "allowlist" or not any(parse_allow(a).host for a in policy.allow):
-            return False
+    def refresh(self, sandbox_id: str) -> dict[str, list[str]] | None:
+        """Re-resolve the names of the policy in force and re-apply it if an answer changed;
+        returns the new pinned names then, else None."""
+        policy = self.applied(sandbox_id)
+        if (
+            policy is None
+            or policy.egress != "allowlist"
+            or not any(parse_allow(a).host for a in policy.allow)
+        ):
+            return None
         stamp = self.dir / "leases" / f"{sandbox_id}.names"
         _, names = self._resolved(policy)
         now = json.dumps(names, sort_keys=True)
         with contextlib.suppress(OSError):
             if stamp.read_text() == now:
-                return False
-        self.apply(sandbox_id, policy, rootfs=rootfs)
+                return None
+        names = self.apply(sandbox_id, policy)
         stamp.write_text(now)
-        return True
+        return names
 
     # -- what is left behind ------------------------------------------------------------------
 
@@ -441,15 +460,6 @@ add chain ip {TABLE}_nat postrouting {{ type nat hook postrouting priority 100; 
             )
         self.teardown(sandbox_id)
         (self.dir / "leases" / f"{sandbox_id}.names").unlink(missing_ok=True)
-
-
-def _replace(path: Path, text: str) -> None:
-    with contextlib.suppress(FileNotFoundError):
-        if path.is_symlink():  # an image's /etc/resolv.conf may point anywhere: not followed
-            path.unlink()
-    tmp = path.with_name(f".{path.name}.hangar")
-    tmp.write_text(text)
-    os.replace(tmp, path)
 
 
 def _resolve(host: str) -> list[str]:

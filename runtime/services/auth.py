@@ -94,8 +94,8 @@ def token_create(
     if not role_at_least(held, role):
         raise Forbidden(f"a token's role cannot be higher than its user's: {user.get_username()} is {held} "
                         f"in team {team.name}, asked for {role}")  # fmt: skip
-    if expires_in_s is not None and expires_in_s <= 0:
-        raise InvalidValue(f"expires_in_s must be positive, got {expires_in_s}")
+    if expires_in_s is not None and not 0 < expires_in_s <= 10 * 365 * 86400:
+        raise InvalidValue(f"expires_in_s must be from 1 s to 10 years, got {expires_in_s}")
     raw = TOKEN_PREFIX + secrets.token_urlsafe(32)
     token = ApiToken.objects.create(
         user=user,

@@ -13,6 +13,7 @@ first to commit and then counts its row.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -69,7 +70,12 @@ def validate_values(values: dict[str, Any], *, allow_none: bool = True) -> dict[
         if value is None and allow_none:
             out[key] = None
             continue
-        if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, int | float)
+            or not math.isfinite(value)
+            or value < 0
+        ):
             raise InvalidValue(f"quota {key} must be a number of 0 or more, got {value!r}")
         if quota.integer and value != int(value):
             raise InvalidValue(f"quota {key} must be a whole number, got {value!r}")

@@ -117,6 +117,10 @@ def sandbox_set_network(*, sandbox: Sandbox, network: dict[str, Any] | None) -> 
         )
     if sandbox.status == S.DELETED:
         raise Conflict(f"sandbox {sandbox.id} is deleted", status=sandbox.status)
+    if sandbox.status in (S.PENDING, S.STARTING, S.RESUMING, S.PAUSING, S.STOPPING):
+        # Its node is reading the policy right now: a change could land after and be lost.
+        raise Conflict(f"sandbox {sandbox.id} is {sandbox.status}; change its network once it has settled",
+                       status=sandbox.status)  # fmt: skip
     if sandbox.status == S.RUNNING:
         if not sandbox.network and net:
             raise Conflict(

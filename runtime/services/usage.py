@@ -15,6 +15,7 @@ log, dashboard, API); at 100%, with enforcement on, new sandboxes are refused.
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
@@ -58,18 +59,26 @@ def _upsert(team_id: int, hour: datetime, **amounts: float) -> None:
         )
 
 
-def accrue(team_id: int, start: datetime, end: datetime, *, vcpu: float = 0, memory_mb: int = 0,
-           storage_mb: int = 0, gpus: int = 0) -> None:  # fmt: skip
-    """Add what was held from ``start`` to ``end`` to the team's hours, split at each hour."""
+def _slices(team_id: int, start: datetime, end: datetime, *, vcpu: float = 0, memory_mb: int = 0,
+            storage_mb: int = 0, gpus: int = 0) -> list[tuple[int, datetime, dict[str, float]]]:  # fmt: skip
+    """What was held from ``start`` to ``end``, split at each hour."""
+    out = []
     t = start
     while t < end:
         nxt = min(_hour(t) + timedelta(hours=1), end)
         secs = (nxt - t).total_seconds()
-        _upsert(
-            team_id, _hour(t), vcpu_seconds=vcpu * secs, memory_gb_seconds=memory_mb / 1024 * secs,
-            storage_gb_hours=storage_mb / 1024 * secs / 3600, gpu_seconds=gpus * secs,
-        )  # fmt: skip
+        out.append((team_id, _hour(t), {
+            "vcpu_seconds": vcpu * secs, "memory_gb_seconds": memory_mb / 1024 * secs,
+            "storage_gb_hours": storage_mb / 1024 * secs / 3600, "gpu_seconds": gpus * secs,
+        }))  # fmt: skip
         t = nxt
+    return out
+
+
+def accrue(team_id: int, start: datetime, end: datetime, **held: Any) -> None:
+    """Add what was held from ``start`` to ``end`` to the team's hours, split at each hour."""
+    for team, hour, amounts in _slices(team_id, start, end, **held):
+        _upsert(team, hour, **amounts)
 
 
 def count_start(team_id: int, at: datetime) -> None:
@@ -99,12 +108,22 @@ def meter(now: datetime | None = None) -> int:
     with transaction.atomic():
         # Running since before metering existed: counted from now on.
         Sandbox.objects.filter(status__in=BILLED, metered_at__isnull=True).update(metered_at=now)
+        # Summed per (team, hour) and written in that order: a transition writing one of the same
+        # rows meanwhile cannot deadlock with this.
+        total: dict[tuple[int, datetime], dict[str, float]] = {}
+
+        def add(slices: list[tuple[int, datetime, dict[str, float]]]) -> None:
+            for team, hour, amounts in slices:
+                acc = total.setdefault((team, hour), dict.fromkeys(amounts, 0.0))
+                for k, v in amounts.items():
+                    acc[k] += v
+
         for sb in (
             Sandbox.objects.select_for_update(skip_locked=True)
             .filter(status__in=BILLED, metered_at__lt=now)
             .only("id", "team_id", "cpu", "memory_mb", "metered_at")
         ):
-            accrue(sb.team_id, sb.metered_at, now, vcpu=sb.cpu, memory_mb=sb.memory_mb)
+            add(_slices(sb.team_id, sb.metered_at, now, vcpu=sb.cpu, memory_mb=sb.memory_mb))
             Sandbox.objects.filter(id=sb.id).update(metered_at=now)
             n += 1
         for vol in Volume.objects.select_for_update(skip_locked=True).only(
@@ -112,9 +131,11 @@ def meter(now: datetime | None = None) -> int:
         ):
             start = vol.metered_at or vol.created_at
             if start < now:
-                accrue(vol.team_id, start, now, storage_mb=vol.size_mb)
+                add(_slices(vol.team_id, start, now, storage_mb=vol.size_mb))
                 Volume.objects.filter(id=vol.id).update(metered_at=now)
                 n += 1
+        for (team, hour), amounts in sorted(total.items()):
+            _upsert(team, hour, **amounts)
     budgets_warn(now)
     return n
 
@@ -147,7 +168,9 @@ def validate_rates(values: dict[str, Any]) -> dict[str, float | None]:
     for k, v in values.items():
         if k not in RATES:
             raise InvalidValue(f"unknown rate {k!r}; known: {', '.join(RATES)}")
-        if v is not None and (isinstance(v, bool) or not isinstance(v, int | float) or v < 0):
+        if v is not None and (
+            isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v) or v < 0
+        ):
             raise InvalidValue(f"rate {k} must be a number of 0 or more, got {v!r}")
         out[k] = None if v is None else float(v)
     return out
@@ -227,7 +250,10 @@ def budget_check(team: Team) -> None:
 
 def budget_set(*, team: Team, amount: float | None, enforced: bool | None) -> Budget:
     if amount is not None and (
-        isinstance(amount, bool) or not isinstance(amount, int | float) or amount <= 0
+        isinstance(amount, bool)
+        or not isinstance(amount, int | float)
+        or not math.isfinite(amount)
+        or amount <= 0
     ):
         raise InvalidValue(f"budget must be a positive number (or null for none), got {amount!r}")
     policy, _ = TeamPolicy.objects.get_or_create(team=team)

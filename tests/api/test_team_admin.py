@@ -24,6 +24,7 @@ from runtime.models import AuditEvent, Image, Membership, Sandbox, Secret, Team,
 from runtime.services import auth as auth_svc
 from runtime.services import secrets as secret_svc
 from runtime.services import usage as usage_svc
+from tests.support import wait_until
 
 
 def call(method: str, path: str, raw: str, body: dict | None = None):
@@ -92,6 +93,20 @@ def test_the_lifetime_quota_bounds_timeout_at_create_and_keepalive(team):
     (sb,) = running(team, 1)
     status, body = call("POST", f"/sandboxes/{sb.id}/keepalive", admin, {"timeout_s": 3600})
     assert status == 429 and body["quota"] == "lifetime_s", body
+
+
+def test_quota_budget_and_rate_values_must_be_finite(team):
+    admin, staff = raw(team, "c-admin"), raw(team, "c-staff")
+    for body in ('{"sandboxes": Infinity}', '{"vcpu": NaN}'):
+        r = Client().put(f"/api/v1/teams/{team.id}/quotas", data=body, content_type="application/json",
+                         HTTP_AUTHORIZATION=f"Bearer {admin}")  # fmt: skip
+        assert r.status_code == 422, r.content
+    r = Client().put(f"/api/v1/teams/{team.id}/budget", data='{"amount": NaN, "enforced": true}',
+                     content_type="application/json", HTTP_AUTHORIZATION=f"Bearer {admin}")  # fmt: skip
+    assert r.status_code == 422, r.content
+    r = Client().put(f"/api/v1/teams/{team.id}/rates", data='{"vcpu_hour": Infinity}',
+                     content_type="application/json", HTTP_AUTHORIZATION=f"Bearer {staff}")  # fmt: skip
+    assert r.status_code == 422, r.content
 
 
 def test_admins_set_limits_up_to_the_ceiling_and_only_site_administrators_raise_it(team):
@@ -291,6 +306,9 @@ def test_changes_and_refusals_are_audited_with_actor_and_token_and_the_log_is_ap
     assert (added.actor, added.via, added.token, added.target, added.team_name) == (
         "c-admin", "api", admin_prefix, "newbie", "crew")  # fmt: skip
     assert AuditEvent.objects.get(action="member.role").data == {"role_from": "viewer", "role": "member"}
+    # Written off the event loop, without holding up the answer: it lands a moment later.
+    wait_until(lambda: AuditEvent.objects.filter(outcome="refused", actor="c-member").exists(), 10,
+               what="the refusal's audit record")  # fmt: skip
     refused = AuditEvent.objects.filter(outcome="refused", actor="c-member").get()
     assert refused.target == "POST /api/v1/secrets" and "needs admin" in refused.message
     # Admins read it through the API, filtered; members may not.

@@ -1,0 +1,75 @@
+"""The preview proxy's own rules, without a sandbox: what goes upstream, where a token's
+redirect may point, cross-site use of the sign-in cookie, and the always-denied networks."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from dashboard.preview import Denied, Preview
+from runtime.launchers.network import Network
+from runtime.services import previews
+
+
+def make(headers: dict[str, str], path: str = "/", query: str = "", kind: str = "http", method: str = "GET"):
+    scope = {
+        "type": kind,
+        "method": method,
+        "path": path,
+        "raw_path": path.encode(),
+        "query_string": query.encode(),
+        "headers": [(k.lower().encode(), v.encode()) for k, v in headers.items()],
+        "client": ("10.0.0.9", 5),
+    }
+    return Preview(scope, None, None, 8000, "sbunit1")  # type: ignore[arg-type]
+
+
+class Row:
+    id, team_id = "sbunit1", 1
+
+    def __init__(self, public: bool = False) -> None:
+        self.ports = [{"port": 8000, "public": public}]
+
+
+def test_hangar_tokens_and_cookie_never_go_upstream_and_the_query_is_kept_verbatim():
+    p = make({"Host": "8000-sbunit1.localhost", "Authorization": "Bearer hgr_secret", "Cookie":
+              "hangar_preview=abc; app=1"}, query="flag&x=%FF&hangar_token=t")  # fmt: skip
+    asyncio.run(p._authorize(Row(public=True)))
+    up = dict(p._upstream_headers())
+    assert b"authorization" not in up and up[b"cookie"] == b"app=1"
+    assert p._target() == b"/?flag&x=%FF"
+    p = make({"Authorization": "Bearer app-own-token"})
+    assert dict(p._upstream_headers())[b"authorization"] == b"Bearer app-own-token"
+
+
+def test_a_token_redirect_stays_on_the_preview_host(settings):
+    token = previews.sign("sbunit1", 8000)
+    p = make({"Host": "8000-sbunit1.localhost"}, path="//evil.example/", query=f"hangar_token={token}")
+    assert asyncio.run(p._authorize(Row())) == "/evil.example/"
+
+
+def test_the_cookie_is_refused_for_changes_started_by_another_site():
+    token = previews.sign("sbunit1", 8000)
+    cookie = f"hangar_preview={token}"
+    host = "8000-sbunit1.localhost:8000"
+    ok = make({"Host": host, "Cookie": cookie, "Origin": f"http://{host}"}, method="POST")
+    assert asyncio.run(ok._authorize(Row())) is None
+    assert asyncio.run(make({"Host": host, "Cookie": cookie})._authorize(Row())) is None  # a plain GET
+    for p in (
+        make({"Host": host, "Cookie": cookie, "Origin": "http://3000-sbevil.localhost:8000"}, method="POST"),
+        make(
+            {"Host": host, "Cookie": cookie, "Origin": "http://3000-sbevil.localhost:8000"}, kind="websocket"
+        ),
+    ):
+        with pytest.raises(Denied) as info:
+            asyncio.run(p._authorize(Row()))
+        assert info.value.status == 403
+
+
+def test_exceptions_never_open_the_pool_of_other_sandboxes(tmp_path):
+    net = Network(tmp_path, pool="10.88.0.0/16", exceptions=["10.0.0.0/8"], nameservers=["1.1.1.1"])
+    denied = net.denied()
+    assert "10.88.0.0/16" in denied and not any(d == "10.0.0.0/8" for d in denied)
+    net = Network(tmp_path, pool="10.88.0.0/16", exceptions=["192.168.5.0/24"], nameservers=["1.1.1.1"])
+    assert "192.168.5.0/24" not in net.denied() and "192.168.4.0/24" in net.denied()
