@@ -34,6 +34,16 @@ def summary(values: list[float]) -> dict[str, float]:
     }
 
 
+def write_results(path: str, results: dict) -> None:
+    """The bench's figures as JSON at ``path`` (its directory made if need be)."""
+    import json
+
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=2))
+    print(f"wrote {out}")
+
+
 def client(url: str, token: str) -> httpx.Client:
     return httpx.Client(base_url=f"{url}/api/v1", headers={"Authorization": f"Bearer {token}"}, timeout=120)
 

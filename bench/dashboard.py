@@ -35,7 +35,7 @@ import websockets
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
 
-from _common import client, pct, start_hangar, stop_hangar  # noqa: E402
+from _common import client, pct, start_hangar, stop_hangar, write_results  # noqa: E402
 
 PROMPT = b"BENCH$ "
 
@@ -269,10 +269,7 @@ def main() -> int:
         f"cat {c['file_bytes'] / 1e6:.0f} MB in a terminal: {c['seconds']:.1f} s, {c['mb_per_s']:.2f} MB/s"
         f" ({c['received_bytes']} bytes on the websocket)"
     )
-    out = Path(args.json)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=2))
-    print(f"\nwrote {out}")
+    write_results(args.json, results)
     return 0
 
 

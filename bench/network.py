@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import http.client
-import json
 import os
 import statistics
 import sys
@@ -26,7 +25,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from _common import client, start_hangar, stop_hangar, summary  # noqa: E402
+from _common import client, start_hangar, stop_hangar, summary, write_results  # noqa: E402
 
 from runtime.launchers.agent_client import AgentClient  # noqa: E402
 
@@ -178,10 +177,7 @@ def main() -> int:
     print(f"the preview proxy adds {proxy_ms:.2f} ms median (target ≤ 2 ms); "
           f"{rps['preview']:.0f} req/s through it vs {rps['tunnel']:.0f} through the tunnel alone "
           f"({rps['preview'] / rps['tunnel'] * 100:.0f}%, target ≥ 50%), 8 clients")  # fmt: skip
-    out = Path(args.json)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=2))
-    print(f"wrote {out}")
+    write_results(args.json, results)
     return 0
 
 

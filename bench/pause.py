@@ -17,7 +17,6 @@ writes JSON (default bench/results/pause.json). Needs root and runsc.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import tempfile
@@ -27,7 +26,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
 
-from _common import client, start_hangar, stop_hangar, summary  # noqa: E402
+from _common import client, start_hangar, stop_hangar, summary, write_results  # noqa: E402
 
 
 def _timed(api, url: str, body: dict, want: str) -> float:
@@ -168,10 +167,7 @@ def main() -> int:
             print(
                 f"| {name} ({args.touch_mb} MB touched) | {s['median_s']:.3f} s | {s['p95_s']:.3f} s | {s['n']} |"
             )
-    out = Path(args.json)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=2))
-    print(f"\nwrote {out}")
+    write_results(args.json, results)
     return 0
 
 

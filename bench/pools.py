@@ -10,7 +10,6 @@ writes JSON (default bench/results/pools.json). Needs root and runsc.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -21,7 +20,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
 
-from _common import client, start_hangar, stop_hangar, summary  # noqa: E402
+from _common import client, start_hangar, stop_hangar, summary, write_results  # noqa: E402
 
 SPEC = {"image": "busybox", "memory_mb": 256, "cpu": 1}
 
@@ -95,10 +94,7 @@ def main() -> int:
         s = summary(values)
         print(f"| {name} | {s['median_s'] * 1000:.1f} ms | {s['p95_s'] * 1000:.1f} ms | {s['n']} |")
     print(f"\nclaim / cold, medians: {statistics.median(claims) / statistics.median(cold):.2f}")
-    out = Path(args.json)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=2))
-    print(f"wrote {out}")
+    write_results(args.json, results)
     return 0
 
 

@@ -31,7 +31,7 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from _common import client, start_hangar, stop_hangar, summary  # noqa: E402
+from _common import client, start_hangar, stop_hangar, summary, write_results  # noqa: E402
 
 from runtime.launchers.images import ImageStore  # noqa: E402
 
@@ -280,10 +280,7 @@ def main() -> int:
         f"| idle sandbox memory, runsc sandbox + gofer: RSS / PSS / USS | {mem['rss']:.1f} / {mem['pss']:.1f} / {mem['uss']:.1f} MB | | 1 |"
     )  # type: ignore[index]
     print(f"\nHangar / raw (sequential medians): {results['ratio_sequential_median']:.2f}×")
-    out = Path(args.json)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=2))
-    print(f"wrote {out}")
+    write_results(args.json, results)
     return 0
 
 

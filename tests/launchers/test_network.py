@@ -25,7 +25,8 @@ from tests.support import requires_runsc
 pytestmark = [
     requires_runsc,
     pytest.mark.skipif(
-        shutil.which("nft") is None, reason="nftables is installed by scripts/install-system-deps.sh"
+        shutil.which("nft") is None,
+        reason="needs nft (nftables) to enforce egress; scripts/install-system-deps.sh installs it, so this skips only where it was left out",
     ),
 ]
 
