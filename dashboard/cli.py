@@ -138,12 +138,19 @@ def cmd_up(args: argparse.Namespace) -> int:
                       "-s", str(data_dir / "celerybeat-schedule")]),
             ("bridge", [py, "-m", "dashboard.cli", "bridge"]),
         ]  # fmt: skip
+        if settings.HANGAR_SSH_PORT:
+            specs.append(("ssh-gateway", [py, "-m", "dashboard.cli", "ssh-gateway"]))
         for name, argv in specs:
             # Own process groups: Ctrl-C reaches only this supervisor, which stops them in order.
             children.append((name, subprocess.Popen(argv, env=env, start_new_session=True)))
         url = f"http://{'127.0.0.1' if args.host in ('0.0.0.0', '::') else args.host}:{args.port}"
         _say("")
         _say(f"Hangar is up at {url}  (API docs: {url}/api/v1/docs)")
+        if settings.HANGAR_SSH_PORT:
+            _say(
+                f"  ssh:   port {settings.HANGAR_SSH_PORT} on {settings.HANGAR_SSH_BIND} "
+                f"(ssh -p {settings.HANGAR_SSH_PORT} HARNESS@{settings.HANGAR_SSH_HOST})"
+            )
         _say(f"  node:  {node.name} (queue {node.queue}), data in {data_dir}")
         if password:
             _say(f"  admin: {user.get_username()} / {password}   (sign in at {url}/login/)")
@@ -250,6 +257,15 @@ def cmd_bridge(args: argparse.Namespace) -> int:
     from runtime.bridge import run_bridge
 
     run_bridge(args.node)
+    return 0
+
+
+def cmd_ssh_gateway(args: argparse.Namespace) -> int:
+    """The SSH gateway into harnesses (started by up unless HANGAR_SSH_PORT is 0)."""
+    _setup_django()
+    from .ssh import main as run_ssh_gateway
+
+    run_ssh_gateway(host=args.bind, port=args.port)
     return 0
 
 
@@ -391,6 +407,11 @@ def build_parser() -> argparse.ArgumentParser:
     bridge.add_argument("--node", help="node name (default: HANGAR_NODE_NAME)")
     bridge.set_defaults(fn=cmd_bridge)
 
+    ssh = sub.add_parser("ssh-gateway", help="run the SSH gateway into harnesses alone (hangar up starts it)")
+    ssh.add_argument("--port", type=int, help="port to listen on (default: HANGAR_SSH_PORT, 2222)")
+    ssh.add_argument("--bind", help="address to listen on (default: HANGAR_SSH_BIND, 0.0.0.0)")
+    ssh.set_defaults(fn=cmd_ssh_gateway)
+
     token = sub.add_parser("token", help="API tokens")
     tsub = token.add_subparsers(dest="token_cmd", required=True)
     tc = tsub.add_parser("create", help="print a new API token (alone on the last line)")
@@ -428,7 +449,7 @@ def build_parser() -> argparse.ArgumentParser:
     isub = image.add_subparsers(dest="image_cmd", required=True)
     isub.add_parser("list", help="list images").set_defaults(fn=cmd_image)
     ib = isub.add_parser("build", help="build a built-in image")
-    ib.add_argument("kind", choices=["busybox", "base"])
+    ib.add_argument("kind", choices=["busybox", "base", "minimal"])
     ib.set_defaults(fn=cmd_image)
     ii = isub.add_parser("import", help="import an OCI layout, OCI archive or docker-save tarball")
     ii.add_argument("file")

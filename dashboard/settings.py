@@ -284,6 +284,24 @@ HANGAR_PREVIEW_SCHEME = env_str("HANGAR_PREVIEW_SCHEME", "http")
 HANGAR_PREVIEW_PORT = env_int("HANGAR_PREVIEW_PORT", env_int("HANGAR_PORT", 8000), minimum=0)
 HANGAR_PREVIEW_TOKEN_TTL_S = env_int("HANGAR_PREVIEW_TOKEN_TTL_S", 86400, minimum=60)
 HANGAR_PREVIEW_RESUME_WAIT_S = env_int("HANGAR_PREVIEW_RESUME_WAIT_S", 60, minimum=1)
+# Harnesses: a workspace volume of this size unless the create says; their sandboxes pause
+# (never end) when this lifetime runs out. What their agents reach Hangar at (the API, OTLP).
+HANGAR_HARNESS_DISK_MB = env_int("HANGAR_HARNESS_DISK_MB", 10 * 1024, minimum=64)
+HANGAR_HARNESS_TIMEOUT_S = env_int("HANGAR_HARNESS_TIMEOUT_S", HANGAR_SANDBOX_MAX_TIMEOUT_S, minimum=60)
+HANGAR_HARNESS_IDLE_TIMEOUT_S = env_int("HANGAR_HARNESS_IDLE_TIMEOUT_S", 3600, minimum=0)  # 0: never
+HANGAR_HARNESS_RESUME_WAIT_S = env_int("HANGAR_HARNESS_RESUME_WAIT_S", 90, minimum=1)
+HANGAR_RUN_MAX_TIMEOUT_S = env_int("HANGAR_RUN_MAX_TIMEOUT_S", HANGAR_EXEC_MAX_TIMEOUT_S, minimum=1)
+HANGAR_PUBLIC_URL = env_str("HANGAR_PUBLIC_URL", f"http://localhost:{env_int('HANGAR_PORT', 8000)}").rstrip(
+    "/"
+)
+HANGAR_SANDBOX_API_URL = env_str("HANGAR_SANDBOX_API_URL", HANGAR_PUBLIC_URL + "/api/v1")
+HANGAR_SANDBOX_OTLP_ENDPOINT = env_str("HANGAR_SANDBOX_OTLP_ENDPOINT", HANGAR_PUBLIC_URL)
+# The SSH gateway into harnesses (`hangar up` starts it; 0: none). The host key is made once
+# under the data dir. HANGAR_SSH_HOST is the host name shown in the command to copy.
+HANGAR_SSH_PORT = env_int("HANGAR_SSH_PORT", 2222, minimum=0)
+HANGAR_SSH_BIND = env_str("HANGAR_SSH_BIND", "0.0.0.0")
+HANGAR_SSH_HOST = env_str("HANGAR_SSH_HOST", "localhost")
+HANGAR_SSH_HOST_KEY = Path(env_str("HANGAR_SSH_HOST_KEY", str(DATA_DIR / "ssh_host_ed25519_key")))
 
 DATA_UPLOAD_MAX_MEMORY_SIZE = HANGAR_FILE_MAX_BYTES
 

@@ -2,7 +2,7 @@ from django.contrib import admin
 from django.contrib.auth import views as auth_views
 from django.urls import path
 
-from dashboard import team_views, views
+from dashboard import harness_views, team_views, views
 from dashboard.api import api
 
 urlpatterns = [
@@ -26,6 +26,17 @@ urlpatterns = [
     path("sandboxes/<str:sandbox_id>/commands/", views.command_run, name="command_run"),
     path("sandboxes/<str:sandbox_id>/files/download", views.file_download, name="file_download"),
     path("sandboxes/<str:sandbox_id>/files/upload", views.file_upload, name="file_upload"),
+    path("harnesses/", harness_views.harnesses, name="harnesses"),
+    path("harnesses/<str:harness_id>/", harness_views.harness_detail, name="harness"),
+    path("harnesses/<str:harness_id>/log/", harness_views.harness_log, name="harness_log"),
+    path("harnesses/<str:harness_id>/pause/", harness_views.harness_pause, name="harness_pause"),
+    path("harnesses/<str:harness_id>/resume/", harness_views.harness_resume, name="harness_resume"),
+    path("harnesses/<str:harness_id>/delete/", harness_views.harness_delete, name="harness_delete"),
+    path("harnesses/<str:harness_id>/terminals/", harness_views.harness_terminal, name="harness_terminal"),
+    path("harnesses/<str:harness_id>/runs/", harness_views.harness_run, name="harness_run"),
+    path("runs/<str:run_id>/", harness_views.run_detail, name="run"),
+    path("runs/<str:run_id>/cancel/", harness_views.run_cancel, name="run_cancel"),
+    path("profile/", harness_views.profile, name="profile"),
     path("images/", views.images, name="images"),
     path("volumes/", views.volumes, name="volumes"),
     path("images/jobs/<int:job_id>/", views.image_job, name="image_job"),

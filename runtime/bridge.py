@@ -78,6 +78,8 @@ class LiveProcess:
     ended_at: float | None = None
     tasks: list[asyncio.Task[None]] = field(default_factory=list)
     active_at: float = field(default_factory=time.monotonic)  # last input, ack, attach or ping
+    # Secrets' values masked out of the output (a harness's runs), per stream.
+    maskers: dict[str, streams.Masker] | None = None
 
     def __post_init__(self) -> None:
         self.may_read.set()
@@ -196,6 +198,8 @@ class Bridge:
             key=key, sandbox_id=msg["sandbox_id"], kind=msg.get("kind", "exec"), process=process,
             ring=streams.OutputRing(ring_bytes),
         )  # fmt: skip
+        if msg.get("mask"):
+            lp.maskers = {name: streams.Masker(msg["mask"]) for name in ("stdout", "stderr")}
         self.procs[key] = lp
         initial = msg.get("stdin_data")
         if initial:
@@ -233,6 +237,10 @@ class Bridge:
             self.loop.call_soon_threadsafe(self._ended, lp, None, f"stream failed: {exc}")
 
     def _output(self, lp: LiveProcess, stream: str, data: bytes) -> None:
+        if lp.maskers is not None and stream in lp.maskers:
+            data = lp.maskers[stream].feed(data)
+            if not data:
+                return
         offset = lp.ring.append(stream, data)
         lp.post(
             None, {"type": streams.OUTPUT, "key": lp.key, "offset": offset, "stream": stream, "data": data}
@@ -242,6 +250,12 @@ class Bridge:
     def _ended(self, lp: LiveProcess, info: dict[str, Any] | None, error: str) -> None:
         if lp.exit is not None:
             return
+        if lp.maskers is not None:
+            maskers, lp.maskers = lp.maskers, None
+            for stream, masker in maskers.items():
+                held = masker.flush()
+                if held:
+                    self._output(lp, stream, held)
         lp.ended_at = time.monotonic()
         duration_ms = (lp.ended_at - lp.started) * 1000.0
         lp.exit = (

@@ -467,3 +467,142 @@ class AuditEvent(models.Model):
 
     class Meta:
         ordering = ["-created_at", "-id"]
+
+
+def new_harness_id() -> str:
+    return new_id("hr", 12)
+
+
+def new_run_id() -> str:
+    return new_id("run", 12)
+
+
+class Harness(models.Model):
+    """A persistent workspace for a coding agent: a sandbox whose ``/workspace`` is a volume of
+    its own, a connected git repository, the agent's credentials (team secrets, given as
+    environment variables), terminals, SSH and runs. The sandbox is paused and resumed with the
+    harness; the volume outlives both unless deleting the harness says otherwise."""
+
+    class Setup(models.TextChoices):
+        PENDING = "pending"  # waiting for its sandbox
+        RUNNING = "running"  # cloning the repository, installing the agent
+        DONE = "done"
+        FAILED = "failed"
+
+    id = models.CharField(primary_key=True, max_length=32, default=new_harness_id, editable=False)
+    team = models.ForeignKey(Team, on_delete=models.CASCADE, related_name="harnesses")
+    name = models.CharField(max_length=63)  # the SSH user name: unique among the team's live ones
+    agent = models.CharField(max_length=32)  # a preset: runtime.presets.PRESETS
+    command = models.JSONField(default=list, blank=True)  # custom: argv
+    image = models.CharField(max_length=128)
+    cpu = models.FloatField(default=1.0)
+    memory_mb = models.IntegerField(default=2048)
+    disk_mb = models.IntegerField(default=10240)
+    repo_url = models.CharField(max_length=1000, blank=True)
+    repo_branch = models.CharField(max_length=255, blank=True)
+    repo_secret = models.CharField(max_length=128, blank=True)  # a team secret's name
+    secrets = models.JSONField(default=list, blank=True)  # team secrets given as env vars (names)
+    env = models.JSONField(default=dict, blank=True)
+    network = models.JSONField(default=dict, blank=True)
+    idle_timeout_s = models.IntegerField(null=True, blank=True)
+    sandbox = models.ForeignKey(
+        Sandbox, null=True, blank=True, on_delete=models.SET_NULL, related_name="harnesses"
+    )
+    volume = models.ForeignKey(
+        Volume, null=True, blank=True, on_delete=models.SET_NULL, related_name="harnesses"
+    )
+    setup = models.CharField(max_length=16, choices=Setup.choices, default=Setup.PENDING)
+    setup_error = models.TextField(blank=True)
+    agent_version = models.CharField(max_length=200, blank=True)
+    # The harness's own API token (team-scoped, so the agent can start sandboxes): encrypted
+    # like a secret, given to its sandbox as HANGAR_API_TOKEN, revoked with the harness.
+    api_token = models.ForeignKey(
+        ApiToken, null=True, blank=True, on_delete=models.SET_NULL, related_name="+"
+    )
+    api_token_ciphertext = models.BinaryField(null=True, blank=True)
+    created_by = models.ForeignKey(settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL)
+    created_at = models.DateTimeField(auto_now_add=True)
+    updated_at = models.DateTimeField(auto_now=True)
+    deleted_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["-created_at"]
+        constraints = [
+            models.UniqueConstraint(
+                fields=["team", "name"],
+                condition=Q(deleted_at__isnull=True),
+                name="harness_name_unique_in_team",
+            )
+        ]
+
+    def __str__(self) -> str:
+        return self.name
+
+
+class Run(models.Model):
+    """One task given to a harness's agent: the prompt, the process that ran it, its final
+    status, and the diff it left in ``/workspace``."""
+
+    class Status(models.TextChoices):
+        QUEUED = "queued"
+        RUNNING = "running"
+        SUCCEEDED = "succeeded"
+        FAILED = "failed"
+        TIMED_OUT = "timed_out"
+        CANCELLED = "cancelled"
+
+    ACTIVE = (Status.QUEUED, Status.RUNNING)
+
+    id = models.CharField(primary_key=True, max_length=32, default=new_run_id, editable=False)
+    harness = models.ForeignKey(Harness, on_delete=models.CASCADE, related_name="runs")
+    prompt = models.TextField()
+    timeout_s = models.IntegerField(default=3600)
+    status = models.CharField(max_length=16, choices=Status.choices, default=Status.QUEUED, db_index=True)
+    exit_code = models.IntegerField(null=True, blank=True)
+    error = models.TextField(blank=True)
+    argv = models.JSONField(default=list, blank=True)
+    exec = models.ForeignKey(Exec, null=True, blank=True, on_delete=models.SET_NULL, related_name="+")
+    tree_before = models.CharField(max_length=64, blank=True)  # the workspace's tree at the start
+    diff = models.TextField(blank=True)
+    diff_truncated = models.BooleanField(default=False)
+    cancel_requested = models.BooleanField(default=False)
+    created_by = models.ForeignKey(settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL)
+    created_at = models.DateTimeField(auto_now_add=True)
+    started_at = models.DateTimeField(null=True, blank=True)
+    finished_at = models.DateTimeField(null=True, blank=True)
+    duration_ms = models.FloatField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["-created_at"]
+
+    def __str__(self) -> str:
+        return self.id
+
+
+class HarnessLogEntry(models.Model):
+    """A chunk of a harness's log: setup output (clone, install), its runs' starts and ends,
+    and what happened to it. Secrets' values are masked before a chunk is written."""
+
+    harness = models.ForeignKey(Harness, on_delete=models.CASCADE, related_name="log_entries")
+    run = models.ForeignKey(Run, null=True, blank=True, on_delete=models.CASCADE, related_name="+")
+    source = models.CharField(max_length=16)  # setup | run | event
+    text = models.TextField()
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        ordering = ["id"]
+
+
+class SshKey(models.Model):
+    """A user's public key for the SSH gateway; a key belongs to one user."""
+
+    user = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="ssh_keys")
+    name = models.CharField(max_length=100)
+    public_key = models.TextField()  # one line, OpenSSH format
+    fingerprint = models.CharField(max_length=100, unique=True)  # SHA256:…
+    created_at = models.DateTimeField(auto_now_add=True)
+    last_used_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["created_at"]
+        constraints = [models.UniqueConstraint(fields=["user", "name"], name="ssh_key_name_unique_per_user")]

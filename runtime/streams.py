@@ -147,3 +147,34 @@ class Follower:
             data = data[self.want - offset :]
         self.want = end
         events.append(("output", stream, data, end))
+
+
+class Masker:
+    """Replaces secrets' values in a byte stream with ``***``, across chunk boundaries: the
+    end of a chunk that could be the start of a value is held back until the next chunk (or
+    :meth:`flush`) says whether it is. Nothing else is delayed."""
+
+    MASK = b"***"
+
+    def __init__(self, values: list[str] | tuple[str, ...]) -> None:
+        self.values = sorted({v.encode() for v in values if v}, key=len, reverse=True)
+        self.held = b""
+
+    def feed(self, data: bytes) -> bytes:
+        if not self.values:
+            return data
+        buf = self.held + data
+        for v in self.values:
+            buf = buf.replace(v, self.MASK)
+        keep = 0
+        for v in self.values:
+            for n in range(min(len(v) - 1, len(buf)), keep, -1):
+                if buf.endswith(v[:n]):
+                    keep = n
+                    break
+        self.held = buf[len(buf) - keep :] if keep else b""
+        return buf[: len(buf) - keep] if keep else buf
+
+    def flush(self) -> bytes:
+        out, self.held = self.held, b""
+        return out

@@ -119,9 +119,11 @@ def nodes_tick() -> None:
 @shared_task
 def sandboxes_reap() -> int:
     from .services import pools as pool_services
+    from .services import runs as run_services
 
     reaped = sandbox_services.sandboxes_reap_expired()
     pool_services.pools_refill_all()  # heals pools whose refill was lost or stopped short
+    run_services.runs_sweep()
     return reaped
 
 
@@ -132,3 +134,37 @@ def usage_meter() -> int:
     from .services import usage
 
     return usage.meter()
+
+
+@shared_task(bind=True, max_retries=3, default_retry_delay=3)
+def harness_setup(self, harness_id: str) -> None:
+    """On the harness's node: clone the repository, install the agent (streamed to its log)."""
+    from .services import harnesses
+
+    harnesses.harness_setup(harness_id=harness_id)
+
+
+@shared_task(acks_late=True)
+def run_start(run_id: str) -> None:
+    from .services import runs
+
+    runs.run_start(run_id=run_id)
+
+
+@shared_task(bind=True, max_retries=5, default_retry_delay=2)
+def run_finish(self, run_id: str) -> None:
+    from .services import runs
+
+    try:
+        runs.run_finish(run_id=run_id)
+    except Exception as exc:
+        raise self.retry(exc=exc) from exc
+
+
+@shared_task(bind=True, max_retries=60, default_retry_delay=2)
+def volume_delete_when_free(self, volume_id: str) -> None:
+    """A deleted harness's volume, once its sandbox has let go of it."""
+    from .services import harnesses
+
+    if not harnesses.volume_delete_when_free(volume_id=volume_id):
+        raise self.retry()

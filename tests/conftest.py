@@ -191,6 +191,21 @@ def local_node(transactional_db):
     _delete_all_volumes()
 
 
+@pytest.fixture
+def minimal_image(local_node) -> str:
+    """The ``minimal`` Debian image (bash, git, ssh client, sftp-server) for harness tests:
+    built once per machine with mmdebstrap (about 40 s), then kept in the test data dir's store."""
+    from runtime.launchers.images import ImageError
+    from runtime.node import image_store
+    from runtime.services.images import image_build, image_register
+
+    try:
+        image_register(info=image_store().get("minimal"), name="minimal", node_name=local_node.name)
+    except ImageError:
+        image_build(kind="minimal")
+    return "minimal"
+
+
 def _destroy_all_sandboxes() -> None:
     from runtime.node import launcher_for
 
@@ -286,3 +301,48 @@ def world(tmp_path_factory):
         p.kill()
         p.wait()
     _sh("ip", "netns", "delete", WORLD_NS, check=False)
+
+
+GIT_PORT = 9418
+
+
+@pytest.fixture(scope="session")
+def git_server(world, tmp_path_factory):
+    """A git daemon on the world's address A (``git://198.18.0.2/project.git``): a repository
+    with a README on ``main`` and a ``feature`` branch, served read-only."""
+    root = tmp_path_factory.mktemp("git")
+    work = root / "work"
+    env = {**os.environ, "GIT_AUTHOR_NAME": "Test", "GIT_AUTHOR_EMAIL": "t@example.com",
+           "GIT_COMMITTER_NAME": "Test", "GIT_COMMITTER_EMAIL": "t@example.com", "HOME": str(root)}  # fmt: skip
+
+    def git(*args: str, cwd=work) -> None:
+        subprocess.run(["git", *args], cwd=cwd, env=env, check=True, capture_output=True, timeout=30)
+
+    work.mkdir()
+    git("init", "-q", "-b", "main")
+    (work / "README.md").write_text("# project\n")
+    (work / "app.py").write_text("print('hello')\n")
+    git("add", ".")
+    git("commit", "-q", "-m", "first")
+    git("checkout", "-q", "-b", "feature")
+    (work / "feature.txt").write_text("feature\n")
+    git("add", ".")
+    git("commit", "-q", "-m", "feature")
+    git("checkout", "-q", "main")
+    git("clone", "-q", "--bare", str(work), str(root / "project.git"), cwd=root)
+    proc = subprocess.Popen(
+        ["ip", "netns", "exec", WORLD_NS, "git", "daemon", "--reuseaddr", f"--base-path={root}", "--export-all",
+         f"--listen={WORLD_A}", f"--port={GIT_PORT}", str(root)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            socket.create_connection((WORLD_A, GIT_PORT), timeout=1).close()
+            break
+        except OSError:
+            assert time.monotonic() < deadline, "git daemon did not start"
+            time.sleep(0.1)
+    yield f"git://{WORLD_A}/project.git"
+    proc.kill()
+    proc.wait()

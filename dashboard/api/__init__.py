@@ -82,6 +82,9 @@ def validation_error(request: HttpRequest, exc: ValidationError) -> HttpResponse
 
 
 from .audit import router as audit_router  # noqa: E402
+from .harnesses import keys_router as ssh_keys_router  # noqa: E402
+from .harnesses import router as harnesses_router  # noqa: E402
+from .harnesses import runs_router  # noqa: E402
 from .images import router as images_router  # noqa: E402
 from .pools import router as pools_router  # noqa: E402
 from .processes import router as processes_router  # noqa: E402
@@ -103,4 +106,7 @@ api.add_router("/teams", teams_router)
 api.add_router("/secrets", secrets_router)
 api.add_router("/audit", audit_router)
 api.add_router("/site", site_router)
+api.add_router("/harnesses", harnesses_router)
+api.add_router("/runs", runs_router)
+api.add_router("/ssh-keys", ssh_keys_router)
 api.add_router("", system_router)

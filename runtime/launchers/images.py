@@ -68,8 +68,14 @@ BASE_PACKAGES = (
     "procps",
     "less",
     "openssh-client",
+    "openssh-sftp-server",
     "xz-utils",
 )
+# A small Debian image for workspaces whose agent needs no Node.js: a shell, git, and what the
+# SSH gateway's scp/sftp run inside the sandbox.
+MINIMAL_PACKAGES = (
+    "bash", "coreutils", "git", "ca-certificates", "openssh-client", "openssh-sftp-server", "procps"
+)  # fmt: skip
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
 _OCI_INDEX_TYPES = {
@@ -1016,6 +1022,7 @@ class ImageStore:
         progress: Progress = None,
         suite: str = "bookworm",
         mirror: str | None = None,
+        packages_list: tuple[str, ...] = BASE_PACKAGES,
     ) -> ImageInfo:
         """A Debian image (minbase + a dev toolset) via mmdebstrap; needs the mirror, takes minutes."""
         validate_name(name)
@@ -1023,7 +1030,7 @@ class ImageStore:
             raise ImageError("mmdebstrap is not installed: apt-get install mmdebstrap")
         if not re.fullmatch(r"[a-z0-9][a-z0-9.-]*", suite):
             raise ImageError(f"invalid suite {suite!r}")
-        packages = ",".join(BASE_PACKAGES)
+        packages = ",".join(packages_list)
         with self._building() as tmp:
             root = tmp / "rootfs"
             cmd = ["mmdebstrap", "--variant=minbase", f"--include={packages}", suite, str(root)]

@@ -27,7 +27,8 @@ from . import audit
 TOKEN_PREFIX = "hgr_"
 ROLES = ("viewer", "member", "admin", "owner")
 RESOURCES = (
-    "sandboxes", "volumes", "pools", "images", "tokens", "teams", "secrets", "audit", "system", "harnesses"
+    "sandboxes", "volumes", "pools", "images", "tokens", "teams", "secrets", "audit", "system", "harnesses",
+    "ssh_keys",
 )  # fmt: skip
 SCOPES = (
     tuple(f"{r}:{a}" for r in RESOURCES for a in ("read", "write"))
@@ -131,6 +132,16 @@ def token_revoke(*, caller: ApiToken, token_id: int) -> ApiToken:
         audit.record("token.revoke", team=token.team,
                      target=f"token {token.id} ({token.prefix}…) of {token.user.get_username()}")  # fmt: skip
     return token
+
+
+def token_revoke_row(token: ApiToken) -> None:
+    """Revoke a token Hangar issued for something of its own (a harness's). Idempotent."""
+    if ApiToken.objects.filter(id=token.id, revoked_at__isnull=True).update(revoked_at=timezone.now()):
+        audit.record("token.revoke", team=token.team, target=f"token {token.id} ({token.prefix}…)")
+
+
+def role_of(user: AbstractBaseUser, team: Team) -> str | None:
+    return Membership.objects.filter(user=user, team=team).values_list("role", flat=True).first()
 
 
 def token_authenticate(raw: str) -> ApiToken | None:

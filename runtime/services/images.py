@@ -12,7 +12,7 @@ from django.utils import timezone
 
 from .. import notify
 from ..errors import BadRequest, Forbidden, InvalidValue, NotFound, ServiceError
-from ..launchers.images import NAME_RE, ImageError, ImageInfo, validate_name
+from ..launchers.images import MINIMAL_PACKAGES, NAME_RE, ImageError, ImageInfo, validate_name
 from ..models import Image, ImageJob, Node
 from ..node import image_store, local_node_name
 
@@ -68,8 +68,10 @@ def image_build(*, kind: str, progress: Callable[[str], None] | None = None) -> 
         info = store.build_busybox(progress=progress)
     elif kind == "base":
         info = store.build_base(progress=progress)
+    elif kind == "minimal":
+        info = store.build_base(name="minimal", progress=progress, packages_list=MINIMAL_PACKAGES)
     else:
-        raise BadRequest(f"unknown image kind {kind!r}; buildable: busybox, base")
+        raise BadRequest(f"unknown image kind {kind!r}; buildable: {', '.join(BUILDABLE)}")
     return image_register(info=info, name=info.name or kind)
 
 
@@ -90,7 +92,7 @@ def image_pull(*, ref: str, name: str | None = None, tls_verify: bool = True,
 
 JOB_LOG_BYTES = 64 * 1024  # the tail of a job's progress kept on its row
 JOB_FLUSH_S = 0.3  # progress reaches the row (and the page) at most this often
-BUILDABLE = ("busybox", "base")
+BUILDABLE = ("busybox", "base", "minimal")
 
 
 def image_job_start(

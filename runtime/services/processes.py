@@ -9,9 +9,11 @@ async: they are called from async views and websocket consumers, which wait on t
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import signal as signal_module
 import time
 from collections.abc import AsyncIterator
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,10 +40,36 @@ DEFAULT_SHELL = [
 ]  # fmt: skip
 
 
+_LAYER: ContextVar[Any] = ContextVar("hangar_channel_layer", default=None)
+
+
 def _layer() -> Any:
+    layer = _LAYER.get()
+    if layer is not None:
+        return layer
     from channels.layers import get_channel_layer
 
     return get_channel_layer()
+
+
+def run_with_own_layer(make_coro: Any) -> Any:
+    """Run ``make_coro()`` to the end on a new event loop with a Channels layer of its own
+    (from a worker thread: the shared layer belongs to whichever loop used it first)."""
+
+    async def main() -> Any:
+        from channels.layers import DEFAULT_CHANNEL_LAYER, channel_layers
+
+        layer = channel_layers.make_backend(DEFAULT_CHANNEL_LAYER)
+        _LAYER.set(layer)
+        try:
+            return await make_coro()
+        finally:
+            close = getattr(layer, "close_pools", None)
+            if close is not None:
+                with contextlib.suppress(Exception):
+                    await close()
+
+    return asyncio.run(main())
 
 
 def _db(fn: Any) -> Any:
@@ -133,6 +161,7 @@ async def process_start(
     cols: int = 80,
     timeout_s: float | None = None,
     user: AbstractBaseUser | None = None,
+    mask: list[str] | None = None,
 ) -> Exec:
     """Start a command as a live process of the sandbox's node and return its row at once.
     Without ``timeout_s`` it runs as long as the sandbox does."""
@@ -159,7 +188,7 @@ async def process_start(
     row = await _db(create)()
     fields = {
         "argv": argv, "env": env, "cwd": cwd, "tty": tty, "rows": rows, "cols": cols, "timeout": timeout_s,
-        "stdin_data": stdin or b"", "stdin_open": stdin_open, "kind": "exec",
+        "stdin_data": stdin or b"", "stdin_open": stdin_open, "kind": "exec", "mask": list(mask or []),
     }  # fmt: skip
     try:
         row.pid = await _bridge_start(sandbox, streams.exec_key(row.id), fields)
@@ -174,7 +203,8 @@ async def process_start(
 async def _secret_env(sandbox: Sandbox) -> dict[str, str]:
     from . import secrets as secret_svc
 
-    return await _db(secret_svc.env_for)(sandbox) if sandbox.secrets else {}
+    wanted = sandbox.secrets or (sandbox.metadata or {}).get("harness")
+    return await _db(secret_svc.env_for)(sandbox) if wanted else {}
 
 
 def _check_size(rows: int, cols: int) -> None:
@@ -429,6 +459,9 @@ def process_record_end(
             stdout_bytes=ring.totals.get("stdout", 0), stderr_bytes=ring.totals.get("stderr", 0),
             error=error, finished_at=now, duration_ms=duration_ms,
         )  # fmt: skip
+        from .runs import run_process_ended
+
+        run_process_ended(exec_id=int(key[1:]))
     elif key.startswith("t"):
         Terminal.objects.filter(id=key[1:], status=Terminal.Status.RUNNING).update(
             status=Terminal.Status.EXITED if info.get("exit_code") is not None else Terminal.Status.FAILED,

@@ -22,7 +22,7 @@ from django.db import transaction
 from django.db.models import Sum
 
 from ..errors import Forbidden, InvalidValue, QuotaExceeded
-from ..models import Sandbox, SiteDefaults, Team, TeamPolicy, Volume
+from ..models import Harness, Sandbox, SiteDefaults, Team, TeamPolicy, Volume
 from . import audit
 
 S = Sandbox.Status
@@ -117,8 +117,8 @@ def usage(team: Team) -> dict[str, float | int | None]:
         "memory_mb": int(held["memory_mb"] or 0),
         "storage_mb": int(Volume.objects.filter(team=team).aggregate(s=Sum("size_mb"))["s"] or 0),
         "lifetime_s": None,
-        # No harnesses or GPU sandboxes exist yet: nothing is held against these two.
-        "harnesses": 0,
+        "harnesses": Harness.objects.filter(team=team, deleted_at__isnull=True).count(),
+        # No GPU sandboxes exist yet: nothing is held against this one.
         "gpus": 0,
     }
 
@@ -145,6 +145,7 @@ def check(
     memory_mb: int = 0,
     storage_mb: int = 0,
     lifetime_s: int | None = None,
+    harnesses: int = 0,
 ) -> None:
     """Raise :class:`QuotaExceeded` if adding this much would put the team over a limit.
     Call inside the transaction that adds it, after :func:`lock_team`."""
@@ -155,7 +156,8 @@ def check(
             f"timeout_s {lifetime_s} is longer than team {team.name}'s sandbox lifetime quota of {limit} s",
             quota="lifetime_s", limit=limit, requested=lifetime_s, used=None,
         )  # fmt: skip
-    wanted = {"sandboxes": sandboxes, "vcpu": vcpu, "memory_mb": memory_mb, "storage_mb": storage_mb}
+    wanted = {"sandboxes": sandboxes, "vcpu": vcpu, "memory_mb": memory_mb, "storage_mb": storage_mb,
+              "harnesses": harnesses}  # fmt: skip
     if not any(wanted.values()):
         return
     if not transaction.get_connection().in_atomic_block:

@@ -364,6 +364,11 @@ def _boot(sandbox_id: str, frm: str) -> None:
     if not started:
         # Deleted while starting: the destroy task may already have run and found nothing.
         launcher.destroy(handle)
+        return
+    if (sandbox.metadata or {}).get("harness"):
+        from .harnesses import harness_setup_enqueue
+
+        harness_setup_enqueue(sandbox)
 
 
 # -- pause and resume -------------------------------------------------------------------------
@@ -607,8 +612,15 @@ def sandboxes_reap_expired() -> int:
         else:
             sandbox_delete(sandbox=sandbox, reason=f"expired: {why}")
         count += 1
-    idle = Sandbox.objects.filter(status=S.RUNNING, idle_timeout_s__isnull=False).select_related("node")
-    for sandbox in idle[:2000]:
+    idle = list(
+        Sandbox.objects.filter(status=S.RUNNING, idle_timeout_s__isnull=False).select_related("node")[:2000]
+    )
+    from .harnesses import harnesses_with_active_runs
+
+    busy = harnesses_with_active_runs([sb.id for sb in idle])  # a run going is activity
+    for sandbox in idle:
+        if sandbox.id in busy:
+            continue
         since = sandbox.last_activity_at or sandbox.started_at or sandbox.created_at
         idle_s = (now - since).total_seconds()
         if idle_s >= sandbox.idle_timeout_s:  # type: ignore[operator]

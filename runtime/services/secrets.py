@@ -163,9 +163,13 @@ def validate_names(*, team: Team, names: list[str], env: dict[str, str]) -> list
 def env_for(sandbox: Sandbox) -> dict[str, str]:
     """The secret environment variables of a sandbox, decrypted (for its node, never stored).
     A secret deleted since the sandbox was created is left out."""
+    out: dict[str, str] = {}
+    if (sandbox.metadata or {}).get("harness"):
+        from .harnesses import sealed_env
+
+        out.update(sealed_env(sandbox))
     if not sandbox.secrets:
-        return {}
-    out = {}
+        return out
     for name, ciphertext in Secret.objects.filter(
         team_id=sandbox.team_id, name__in=sandbox.secrets
     ).values_list("name", "ciphertext"):
@@ -185,5 +189,12 @@ def secrets_rotate() -> int:
     for secret in Secret.objects.only("id", "ciphertext").iterator():
         rotated = f.rotate(bytes(secret.ciphertext))
         Secret.objects.filter(id=secret.id).update(ciphertext=rotated)
+        n += 1
+    from ..models import Harness
+
+    for hid, ct in Harness.objects.filter(api_token_ciphertext__isnull=False).values_list(
+        "id", "api_token_ciphertext"
+    ):
+        Harness.objects.filter(id=hid).update(api_token_ciphertext=f.rotate(bytes(ct)))
         n += 1
     return n

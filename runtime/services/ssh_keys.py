@@ -1,0 +1,107 @@
+"""Users' SSH public keys, and who may open which harness over the SSH gateway."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+from django.contrib.auth.models import AbstractBaseUser
+from django.db import IntegrityError
+from django.db.models import Q, QuerySet
+from django.utils import timezone
+
+from ..errors import Conflict, Forbidden, InvalidValue, NotFound
+from ..models import Harness, Membership, SshKey
+from . import audit
+from .auth import role_at_least
+
+MAX_KEYS_PER_USER = 50
+
+
+def parse_public_key(text: str) -> tuple[str, str, str]:
+    """(normalised OpenSSH line, SHA256 fingerprint, comment) of one public key line."""
+    import asyncssh
+
+    text = (text or "").strip()
+    if "PRIVATE KEY" in text:
+        raise InvalidValue("that is a private key: paste the public one (the .pub file), and keep the private "
+                           "key to yourself")  # fmt: skip
+    if not text or "\n" in text or len(text) > 16384:
+        raise InvalidValue(
+            "public_key must be one line in OpenSSH format, e.g. the contents of ~/.ssh/id_ed25519.pub"
+        )
+    try:
+        key = asyncssh.import_public_key(text)
+    except (asyncssh.KeyImportError, ValueError) as exc:
+        raise InvalidValue(f"public_key is not an OpenSSH public key: {exc}") from None
+    if key.algorithm.startswith(b"ssh-dss"):
+        raise InvalidValue("DSA keys are not accepted; use ed25519, ECDSA or RSA")
+    parts = text.split(None, 2)
+    comment = parts[2] if len(parts) > 2 else ""
+    line = key.export_public_key("openssh").decode().strip().split(None, 2)
+    return f"{line[0]} {line[1]}", key.get_fingerprint("sha256"), comment
+
+
+def ssh_keys_for_user(*, user: AbstractBaseUser) -> QuerySet[SshKey]:
+    return SshKey.objects.filter(user=user).order_by("created_at")
+
+
+def ssh_key_add(*, user: AbstractBaseUser, name: str, public_key: str) -> SshKey:
+    line, fingerprint, comment = parse_public_key(public_key)
+    name = (name or comment or "key").strip()[:100]
+    if SshKey.objects.filter(user=user).count() >= MAX_KEYS_PER_USER:
+        raise InvalidValue(f"a user may register at most {MAX_KEYS_PER_USER} keys; delete one first")
+    if SshKey.objects.filter(fingerprint=fingerprint).exists():
+        raise Conflict(f"the key {fingerprint} is already registered (a key belongs to one user)")
+    try:
+        key = SshKey.objects.create(user=user, name=name, public_key=line, fingerprint=fingerprint)
+    except IntegrityError:
+        raise Conflict(f"you already have a key named {name!r}, or this key is already registered") from None
+    audit.record("ssh_key.add", target=f"{fingerprint} of {user.get_username()}", name=name)
+    return key
+
+
+def ssh_key_delete(*, user: AbstractBaseUser, key_id: int | str) -> None:
+    key = (
+        SshKey.objects.filter(user=user)
+        .filter(Q(id=int(key_id)) if str(key_id).isdigit() else Q(name=str(key_id)))
+        .first()
+    )
+    if key is None:
+        raise NotFound(f"you have no SSH key {key_id!r}")
+    key.delete()
+    audit.record("ssh_key.delete", target=f"{key.fingerprint} of {user.get_username()}", name=key.name)
+
+
+def ssh_key_user(*, fingerprint: str) -> AbstractBaseUser | None:
+    """The active user a key (by SHA256 fingerprint) belongs to, or None; notes its use."""
+    key = SshKey.objects.select_related("user").filter(fingerprint=fingerprint).first()
+    if key is None or not key.user.is_active:
+        return None
+    now = timezone.now()
+    if key.last_used_at is None or now - key.last_used_at > timedelta(minutes=1):
+        SshKey.objects.filter(id=key.id).update(last_used_at=now)
+    return key.user
+
+
+def harness_for_ssh(*, user: AbstractBaseUser, target: str) -> Harness:
+    """The harness ``target`` (its name, or its id) names among the user's teams. A shell is
+    a member's right: viewers are refused. A name held in two of the user's teams is refused
+    with the ids to use instead."""
+    teams = Membership.objects.filter(user=user).values_list("team_id", "role")
+    roles = dict(teams)
+    rows = list(
+        Harness.objects.filter(team_id__in=roles.keys(), deleted_at__isnull=True)
+        .filter(Q(name=target) | Q(id=target))
+        .select_related("team", "sandbox", "sandbox__node")
+    )
+    if not rows:
+        raise NotFound(f"no harness {target!r} in your teams")
+    if len(rows) > 1:
+        ids = ", ".join(f"{h.id} ({h.team.name})" for h in rows)
+        raise Conflict(f"harness name {target!r} is in several of your teams; connect as its id: {ids}")
+    h = rows[0]
+    if not role_at_least(roles[h.team_id], "member"):
+        raise Forbidden(
+            f"your role in team {h.team.name} is {roles[h.team_id]}; a shell needs member or above"
+        )
+    return h

@@ -1,0 +1,218 @@
+"""Harnesses end to end, with real parts: a git repository served by ``git daemon`` on the
+test machine (in the ``world`` namespace) is cloned into a new harness's workspace volume in
+gVisor; a scripted agent run edits files; the run's diff shows the change; pause and resume
+keep the edit and the git state."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import httpx
+import pytest
+
+from ..support import WORLD_A, wait_until
+
+pytestmark = pytest.mark.timeout(300)
+GIT_NET = {"egress": "allowlist", "allow": [f"{WORLD_A}:9418"]}
+# The scripted agent: appends the prompt (from $HANGAR_PROMPT) to the README, writes a new
+# file with what it read on stdin, and says where it ran.
+AGENT = (
+    'echo "$HANGAR_PROMPT" >> README.md; read -r line; printf "%s\\n" "$line" > from-stdin.txt; '
+    'echo "agent ran in $(pwd) as run $HANGAR_RUN_ID"'
+)
+
+
+def wait_status(api: httpx.Client, hid: str, want: str, timeout: float = 120) -> dict:
+    seen = {}
+
+    def check() -> bool:
+        seen.update(api.get(f"/harnesses/{hid}").json())
+        assert seen["status"] != "failed" or want == "failed", seen
+        return seen["status"] == want
+
+    wait_until(
+        check, timeout, what=f"harness {hid} {want} (last: {seen.get('status')} {seen.get('setup_error')})"
+    )
+    return seen
+
+
+def wait_run(api: httpx.Client, run_id: str, timeout: float = 120) -> dict:
+    seen = {}
+
+    def done() -> bool:
+        seen.update(api.get(f"/runs/{run_id}").json())
+        return seen["status"] not in ("queued", "running")
+
+    wait_until(done, timeout, what=f"run {run_id} to end")
+    return seen
+
+
+def sh(api: httpx.Client, sandbox: str, cmd: str) -> dict:
+    # Commands name paths relative to their cwd: Debian 12's runsc (2022) answers statx() on an
+    # absolute path with EINVAL, which Debian's coreutils (ls -l /x, stat /x) trip over.
+    r = api.post(f"/sandboxes/{sandbox}/exec", json={"cmd": cmd, "timeout_s": 60})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def log_text(api: httpx.Client, hid: str) -> str:
+    return "\n".join(e["text"] for e in api.get(f"/harnesses/{hid}/logs").json())
+
+
+def create(api: httpx.Client, **fields) -> dict:
+    body = {"agent": "custom", "command": AGENT, "image": "minimal", "disk_mb": 256, "memory_mb": 512,
+            "network": GIT_NET, **fields}  # fmt: skip
+    r = api.post("/harnesses", json=body)
+    assert r.status_code == 201, r.text
+    return r.json()
+
+
+def test_a_repository_is_cloned_a_run_edits_it_and_pause_resume_keeps_the_edit(
+    api, minimal_image, git_server
+):
+    h = create(api, name="web", repo={"url": git_server})
+    assert h["status"] == "creating" and h["volume_name"] == "web-workspace"
+    assert h["ssh_command"].startswith("ssh -p ") and h["ssh_command"].split()[-1].startswith("web@")
+    h = wait_status(api, h["id"], "running")
+    log = log_text(api, h["id"])
+    assert f"cloning {git_server}" in log and "checked out main" in log and "workspace ready" in log
+
+    out = sh(
+        api, h["sandbox"], "cd /workspace && git log --oneline && ls -a && echo HOME=$HOME && git status -s"
+    )
+    assert "first" in out["stdout"] and "README.md" in out["stdout"] and "app.py" in out["stdout"]
+    assert "HOME=/workspace/.hangar/home" in out["stdout"]
+    assert out["stdout"].rstrip().endswith("HOME=/workspace/.hangar/home"), (
+        "Hangar's own files show in git status"
+    )
+    # The harness's own API token and OTLP settings are in its environment.
+    env = sh(api, h["sandbox"], "env")["stdout"]
+    assert "HANGAR_API_TOKEN=hgr_" in env and "OTEL_EXPORTER_OTLP_ENDPOINT=" in env
+    assert f"hangar.harness.id={h['id']}" in env
+
+    r = api.post(f"/harnesses/{h['id']}/runs", json={"prompt": "add a usage section"})
+    assert r.status_code == 201, r.text
+    run = r.json()
+    assert run["status"] == "queued"
+    # The log streams (NDJSON) and ends with the run's record.
+    with api.stream("GET", f"/runs/{run['id']}/logs") as resp:
+        lines = [json.loads(x) for x in resp.iter_lines() if x]
+    out_text = "".join(x.get("data", "") for x in lines if x["type"] == "stdout")
+    assert f"agent ran in /workspace as run {run['id']}" in out_text
+    assert lines[-1]["type"] == "run" and lines[-1]["id"] == run["id"]
+    run = wait_run(api, run["id"])
+    assert run["status"] == "succeeded" and run["exit_code"] == 0 and run["duration_ms"] > 0, run
+    assert "+add a usage section" in run["diff"] and "README.md" in run["diff"]
+    assert "+add a usage section" in run["diff"].split("+++ b/from-stdin.txt")[1]
+    assert ".hangar" not in run["diff"]
+    assert f"run {run['id']} succeeded" in log_text(api, h["id"])
+
+    r = api.post(f"/harnesses/{h['id']}/pause", json={"wait": True})
+    assert r.status_code == 200 and r.json()["status"] == "paused", r.text
+    r = api.post(f"/harnesses/{h['id']}/resume", json={"wait": True})
+    assert r.status_code == 200, r.text
+    wait_status(api, h["id"], "running")
+    out = sh(
+        api, h["sandbox"], "cd /workspace && cat README.md && git status --porcelain && git log --oneline"
+    )
+    assert "add a usage section" in out["stdout"]
+    assert (
+        " M README.md" in out["stdout"] and "?? from-stdin.txt" in out["stdout"] and "first" in out["stdout"]
+    )
+
+    # A second run's diff is only what that run did.
+    assert [x["id"] for x in api.get(f"/harnesses/{h['id']}/runs").json()] == [run["id"]]
+    second = wait_run(api, api.post(f"/harnesses/{h['id']}/runs", json={"prompt": "x"}).json()["id"])
+    added = [ln for ln in second["diff"].splitlines() if ln.startswith("+") and not ln.startswith("+++")]
+    assert added == ["+x", "+x"], second["diff"]  # README.md and from-stdin.txt
+
+
+def test_a_branch_is_checked_out_and_runs_end_failed_timed_out_or_cancelled(api, minimal_image, git_server):
+    h = create(api, name="branchy", repo={"url": git_server, "branch": "feature"},
+               command='case "$HANGAR_PROMPT" in fail) exit 3;; sleep) sleep 60;; esac; echo ok')  # fmt: skip
+    h = wait_status(api, h["id"], "running")
+    listing = sh(api, h["sandbox"], "cd /workspace && ls")
+    assert "feature.txt" in listing["stdout"], (listing, log_text(api, h["id"]))
+    assert "checked out feature" in log_text(api, h["id"])
+
+    failed = api.post(f"/harnesses/{h['id']}/runs", json={"prompt": "fail"}).json()
+    slow = api.post(f"/harnesses/{h['id']}/runs", json={"prompt": "sleep", "timeout_s": 2}).json()
+    assert wait_run(api, failed["id"])["status"] == "failed"
+    assert api.get(f"/runs/{failed['id']}").json()["exit_code"] == 3
+    slow = wait_run(api, slow["id"])
+    assert slow["status"] == "timed_out" and "timeout of 2 s" in slow["error"], slow
+
+    cancelled = api.post(f"/harnesses/{h['id']}/runs", json={"prompt": "sleep"}).json()
+    wait_until(
+        lambda: api.get(f"/runs/{cancelled['id']}").json()["status"] == "running", 60, what="run started"
+    )
+    t0 = time.monotonic()
+    r = api.post(f"/runs/{cancelled['id']}/cancel")
+    assert r.status_code == 200, r.text
+    done = wait_run(api, cancelled["id"], timeout=30)
+    assert done["status"] == "cancelled" and time.monotonic() - t0 < 20
+    r = api.post(f"/runs/{cancelled['id']}/cancel")
+    assert r.status_code == 409 and "cancelled" in r.json()["detail"]
+
+
+def test_bad_input_is_refused_with_reasons(api, minimal_image, other_api):
+    cases = [
+        ({"name": "Bad Name", "agent": "custom", "command": "x"}, 422, "invalid harness name"),
+        ({"name": "ok", "agent": "gpt-9"}, 422, "unknown agent"),
+        ({"name": "ok", "agent": "custom"}, 422, "needs a command"),
+        ({"name": "ok", "agent": "claude-code", "command": "x"}, 422, "command is for the custom agent"),
+        ({"name": "ok", "agent": "custom", "command": "x", "repo": {"url": "https://u:pw@example.com/r.git"}}, 422,
+         "must not carry a password"),
+        ({"name": "ok", "agent": "custom", "command": "x", "repo": {"url": "not a url"}}, 422, "not a git URL"),
+        ({"name": "ok", "agent": "custom", "command": "x", "repo": {"url": "https://h/r.git", "branch": "-x"}}, 422,
+         "not a valid branch"),
+        ({"name": "ok", "agent": "custom", "command": "x", "secrets": ["NOPE"]}, 422, "no secret named 'NOPE'"),
+        ({"name": "ok", "agent": "custom", "command": "x", "image": "nope"}, 400, "unknown image 'nope'"),
+        ({"name": "ok", "agent": "custom", "command": "x", "network": {"egress": "sideways"}}, 422, "egress"),
+    ]  # fmt: skip
+    for body, status, words in cases:
+        r = api.post("/harnesses", json={"image": "minimal", **body})
+        assert r.status_code == status and words in r.json()["detail"], (body, r.status_code, r.text)
+    assert api.get("/harnesses").json() == []
+    assert api.get("/volumes").json() == [], "a refused harness left a volume behind"
+    for path in ("/harnesses/nope", "/runs/nope"):
+        assert api.get(path).status_code == 404
+    r = api.post("/harnesses/nope/runs", json={"prompt": "x"})
+    assert r.status_code == 404
+
+
+def test_other_teams_cannot_see_or_touch_a_harness_and_deleting_keeps_the_volume(
+    api, other_api, minimal_image, git_server
+):
+    h = create(api, name="mine", network={"egress": "none"})
+    h = wait_status(api, h["id"], "running")
+    run = api.post(f"/harnesses/{h['id']}/runs", json={"prompt": "x"}).json()
+    for method, path in (("GET", f"/harnesses/{h['id']}"), ("GET", "/harnesses/mine"),
+                         ("POST", f"/harnesses/{h['id']}/pause"), ("DELETE", f"/harnesses/{h['id']}"),
+                         ("GET", f"/runs/{run['id']}"), ("POST", f"/runs/{run['id']}/cancel"),
+                         ("POST", f"/harnesses/{h['id']}/runs")):  # fmt: skip
+        r = other_api.request(method, path, json={"prompt": "x"} if path.endswith("/runs") else None)
+        assert r.status_code == 404, (method, path, r.status_code)
+    assert other_api.get("/harnesses").json() == []
+    # The same name in another team is fine; twice in one team is not.
+    r = api.post("/harnesses", json={"name": "mine", "agent": "custom", "command": "x", "image": "minimal"})
+    assert r.status_code == 409
+    wait_run(api, run["id"])
+
+    r = api.delete(f"/harnesses/{h['id']}")
+    assert r.status_code == 204
+    assert api.get(f"/harnesses/{h['id']}").status_code == 404
+    vols = {v["name"]: v for v in api.get("/volumes").json()}
+    assert "mine-workspace" in vols, "deleting a harness deleted its volume without being asked"
+    # The kept volume becomes a new harness's workspace, files and all.
+    wait_until(
+        lambda: not api.get("/volumes/mine-workspace").json()["attached_to"], 60, what="volume released"
+    )
+    again = create(api, name="mine", volume="mine-workspace", network={"egress": "none"})
+    again = wait_status(api, again["id"], "running")
+    assert "from-stdin.txt" in sh(api, again["sandbox"], "cd /workspace && ls")["stdout"]
+    r = api.delete(f"/harnesses/{again['id']}", params={"delete_volume": "true"})
+    assert r.status_code == 204
+    wait_until(lambda: "mine-workspace" not in {v["name"] for v in api.get("/volumes").json()}, 60,
+               what="the volume deleted with its harness")  # fmt: skip

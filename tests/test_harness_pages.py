@@ -1,0 +1,115 @@
+"""The harness pages (list, a harness, a run) and the profile's SSH keys, through Django's test
+client. The rows are made directly: these tests need no sandbox runtime (the end-to-end
+tests in tests/api/test_harnesses_api.py and tests/browser drive real harnesses)."""
+
+from __future__ import annotations
+
+import subprocess
+
+import pytest
+from django.contrib.auth import get_user_model
+
+from runtime.models import Harness, HarnessLogEntry, Membership, Run, Sandbox, SshKey, Team, Volume
+
+
+def _member(username: str, team: Team, role: str):
+    user = get_user_model().objects.create_user(username, password="pw")
+    Membership.objects.create(user=user, team=team, role=role)
+    return user
+
+
+@pytest.fixture
+def crew(db) -> Team:
+    return Team.objects.create(name="crew")
+
+
+@pytest.fixture
+def harness(crew) -> Harness:
+    sb = Sandbox.objects.create(team=crew, image="base", image_digest="x", status="running")
+    vol = Volume.objects.create(team=crew, name="web-workspace", size_mb=1024)
+    h = Harness.objects.create(team=crew, name="web", agent="claude-code", image="base", sandbox=sb, volume=vol,
+                               setup="done", repo_url="https://example.com/web.git", repo_branch="main",
+                               agent_version="1.0.0 (Claude Code)")  # fmt: skip
+    HarnessLogEntry.objects.create(harness=h, source="setup", text="cloning https://example.com/web.git")
+    return h
+
+
+def test_the_list_and_a_harness_page_show_state_repository_ssh_command_runs_and_log(client, crew, harness):
+    client.force_login(_member("mel", crew, "member"))
+    page = client.get("/harnesses/").content.decode()
+    assert 'href="/harnesses/' in page and ">web<" in page and "https://example.com/web.git" in page
+    assert 'id="harness-form"' in page and 'value="claude-code"' in page
+
+    run = Run.objects.create(harness=harness, prompt="fix the bug", status="succeeded", exit_code=0,
+                             duration_ms=1234, diff="diff --git a/x b/x\n+added\n-removed\n")  # fmt: skip
+    page = client.get(f"/harnesses/{harness.id}/").content.decode()
+    assert 'id="harness-status"' in page and "running" in page
+    assert 'value="ssh -p 2222 web@localhost"' in page and "add your public key" in page
+    assert "https://example.com/web.git" in page and "main" in page and "1.0.0 (Claude Code)" in page
+    assert "web-workspace" in page and "cloning https://example.com/web.git" in page
+    assert f'href="/runs/{run.id}/"' in page and "fix the bug" in page
+    assert 'id="new-terminal"' in page and 'id="run-form"' in page and 'id="pause-button"' in page
+    # Claude Code with no ANTHROPIC_API_KEY among its secrets: the page says so.
+    assert 'id="harness-credentials"' in page
+
+    page = client.get(f"/runs/{run.id}/").content.decode()
+    assert (
+        "fix the bug" in page
+        and '<span class="d+">+added</span>' in page
+        and '<span class="d-">-removed' in page
+    )
+
+    polled = client.get(f"/harnesses/{harness.id}/log/?after=0").content.decode()
+    assert "cloning" in polled and "harness-log-poll" in polled
+    last = HarnessLogEntry.objects.latest("id").id
+    assert "cloning" not in client.get(f"/harnesses/{harness.id}/log/?after={last}").content.decode()
+
+
+def test_viewers_look_but_cannot_act_and_other_teams_get_404(client, crew, harness):
+    client.force_login(_member("vic", crew, "viewer"))
+    page = client.get(f"/harnesses/{harness.id}/").content.decode()
+    assert (
+        'id="run-form"' not in page and 'id="pause-button"' not in page and 'id="delete-button"' not in page
+    )
+    for path in ("pause", "resume", "delete", "terminals", "runs"):
+        assert client.post(f"/harnesses/{harness.id}/{path}/", {"prompt": "x"}).status_code == 403, path
+    assert client.post("/harnesses/", {"name": "x", "agent": "custom"}).status_code == 403
+    other = Team.objects.create(name="other")
+    client.force_login(_member("otto", other, "owner"))
+    assert client.get(f"/harnesses/{harness.id}/").status_code == 404
+    assert client.post(f"/harnesses/{harness.id}/pause/").status_code == 404
+    assert 'data-name="web"' not in client.get("/harnesses/").content.decode()
+
+
+def test_the_create_form_explains_bad_input(client, crew, harness):
+    client.force_login(_member("mel", crew, "member"))
+    r = client.post("/harnesses/", {"name": "Bad Name", "agent": "custom", "command": "x"})
+    assert r.status_code == 422 and "invalid harness name" in r.content.decode()
+    r = client.post("/harnesses/", {"name": "ok", "agent": "custom", "command": "x", "cpu": "lots"})
+    assert r.status_code == 422 and "CPU must be a number" in r.content.decode()
+
+
+def test_ssh_keys_are_added_shown_and_removed_on_the_profile(client, crew, tmp_path):
+    user = _member("mel", crew, "member")
+    client.force_login(user)
+    key = tmp_path / "id"
+    subprocess.run(
+        ["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", "mel@laptop", "-f", str(key)], check=True
+    )
+    public = (tmp_path / "id.pub").read_text()
+    r = client.post("/profile/", {"action": "add", "name": "", "public_key": public})
+    assert r.status_code == 302
+    row = SshKey.objects.get(user=user)
+    assert row.name == "mel@laptop" and row.fingerprint.startswith("SHA256:")
+    page = client.get("/profile/").content.decode()
+    assert row.fingerprint in page and "mel@laptop" in page
+    # The same key again, a private key, garbage: each refused with a reason.
+    for text, words in (
+        (public, "already registered"),
+        (key.read_text(), "private key"),
+        ("ssh-ed25519 AAAA", "not an"),
+    ):
+        r = client.post("/profile/", {"action": "add", "name": "x", "public_key": text})
+        assert r.status_code in (409, 422) and words in r.content.decode(), words
+    r = client.post("/profile/", {"action": "delete", "key": str(row.id)})
+    assert r.status_code == 302 and not SshKey.objects.filter(user=user).exists()
