@@ -299,7 +299,7 @@ HANGAR_SANDBOX_OTLP_ENDPOINT = env_str("HANGAR_SANDBOX_OTLP_ENDPOINT", HANGAR_PU
 # The SSH gateway into harnesses (`hangar up` starts it; 0: none). The host key is made once
 # under the data dir. HANGAR_SSH_HOST is the host name shown in the command to copy.
 HANGAR_SSH_PORT = env_int("HANGAR_SSH_PORT", 2222, minimum=0)
-HANGAR_SSH_BIND = env_str("HANGAR_SSH_BIND", "0.0.0.0")
+HANGAR_SSH_BIND = env_str("HANGAR_SSH_BIND", "127.0.0.1")  # 0.0.0.0: reachable from other machines
 HANGAR_SSH_HOST = env_str("HANGAR_SSH_HOST", "localhost")
 HANGAR_SSH_HOST_KEY = Path(env_str("HANGAR_SSH_HOST_KEY", str(DATA_DIR / "ssh_host_ed25519_key")))
 

@@ -455,7 +455,7 @@ class AuditEvent(models.Model):
     team_name = models.CharField(max_length=100, blank=True)
     actor_id = models.IntegerField(null=True, blank=True)
     actor = models.CharField(max_length=150, blank=True)  # user name; "" for Hangar itself
-    via = models.CharField(max_length=16)  # api | dashboard | cli | system
+    via = models.CharField(max_length=16)  # api | dashboard | cli | ssh | system
     token = models.CharField(max_length=16, blank=True)  # the API token's prefix
     session = models.CharField(max_length=16, blank=True)  # a hash of the session key
     ip = models.CharField(max_length=64, blank=True)

@@ -72,9 +72,11 @@ class OutputRing:
         return offset
 
     def text(self, stream: str, limit: int) -> str:
-        """The retained output of one stream (its last ``limit`` bytes), decoded for storage."""
+        """The retained output of one stream (its last ``limit`` bytes), decoded for storage
+        (NUL, which a database text column cannot hold, becomes U+FFFD like other bytes that
+        are not text)."""
         data = b"".join(d for _, s, d in self.chunks if s == stream)
-        return data[-limit:].decode("utf-8", errors="replace") if limit > 0 else ""
+        return data[-limit:].decode("utf-8", errors="replace").replace("\x00", "\ufffd") if limit > 0 else ""
 
     def since(self, offset: int) -> list[tuple[int, str, bytes]]:
         out = []

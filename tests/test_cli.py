@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import os
+import re
 import select
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -24,7 +26,8 @@ def _clean_env(data_dir: Path, **extra: str) -> dict[str, str]:
         for k, v in os.environ.items()
         if k not in ("DATABASE_URL", "REDIS_URL", "DJANGO_SETTINGS_MODULE")
     }
-    env.update(HANGAR_DATA_DIR=str(data_dir), HANGAR_NODE_NAME="uptest", PYTHONUNBUFFERED="1", **extra)
+    env.update(HANGAR_DATA_DIR=str(data_dir), HANGAR_NODE_NAME="uptest", PYTHONUNBUFFERED="1",
+               HANGAR_SSH_PORT=str(free_port()), **extra)  # fmt: skip
     return env
 
 
@@ -91,6 +94,10 @@ def test_hangar_up_runs_stops_cleanly_and_sandboxes_survive_a_restart(tmp_path):
     up = Up(data_dir, HANGAR_NODE_TICK_S="1")
     text = "".join(up.output)
     assert "admin: admin / " in text
+    # The SSH gateway into harnesses is one of the processes it starts.
+    ssh_port = int(re.search(r"ssh: +port (\d+)", text).group(1))
+    with socket.create_connection(("127.0.0.1", ssh_port), timeout=10) as conn:
+        assert conn.recv(64).startswith(b"SSH-2.0-")
     token = next(line.split(": ", 1)[1].strip() for line in up.output if "API token" in line)
     api = httpx.Client(base_url=f"{up.url}/api/v1", headers={"Authorization": f"Bearer {token}"}, timeout=60)
     sb = api.post("/sandboxes", json={"image": "busybox", "memory_mb": 256, "timeout_s": 600}).json()

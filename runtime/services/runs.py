@@ -106,7 +106,17 @@ def _end(run_id: str, status: str, *, frm: tuple[str, ...], error: str = "", **f
 
 
 def run_start(*, run_id: str) -> None:
-    """The worker's side of :func:`run_create` (idempotent: only a queued run is started)."""
+    """The worker's side of :func:`run_create` (idempotent: only a queued run is started).
+    Whatever goes wrong ends the run as failed, with the reason: a run never stays queued."""
+    try:
+        _run_start(run_id)
+    except Exception as exc:
+        log.exception("run %s could not be started", run_id)
+        _end(run_id, Run.Status.FAILED, frm=(Run.Status.QUEUED,), error=f"it could not be started: {exc}")
+        raise
+
+
+def _run_start(run_id: str) -> None:
     from .processes import process_start, run_with_own_layer
 
     run = Run.objects.select_related("harness", "harness__team", "created_by").filter(id=run_id).first()
@@ -148,11 +158,12 @@ def run_start(*, run_id: str) -> None:
     }
     if not Run.objects.filter(id=run.id, status=Run.Status.QUEUED).exists():
         return  # cancelled meanwhile
+    mask = harness_svc.mask_values(h)
     try:
         row = run_with_own_layer(lambda: process_start(
             sandbox=sandbox, cmd=run.argv, kind=Exec.Kind.BACKGROUND, cwd=presets.WORKSPACE, env=env,
             stdin=run.prompt.encode(), stdin_open=False, timeout_s=run.timeout_s, user=run.created_by,
-            mask=harness_svc.mask_values(h),
+            mask=mask,
         ))  # fmt: skip
     except ServiceError as exc:
         _end(run.id, Run.Status.FAILED, frm=(Run.Status.QUEUED,), error=exc.message)

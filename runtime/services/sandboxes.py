@@ -792,7 +792,9 @@ def node_op(*, op: str, sandbox_id: str, payload: dict[str, Any]) -> dict[str, A
 
 
 def _decode_for_storage(data: bytes, limit: int) -> str:
-    return data[:limit].decode("utf-8", errors="replace")
+    return (
+        data[:limit].decode("utf-8", errors="replace").replace("\x00", "\ufffd")
+    )  # a text column holds no NUL
 
 
 def exec_validate(

@@ -44,7 +44,10 @@ def wait_run(api: httpx.Client, run_id: str, timeout: float = 120) -> dict:
         seen.update(api.get(f"/runs/{run_id}").json())
         return seen["status"] not in ("queued", "running")
 
-    wait_until(done, timeout, what=f"run {run_id} to end")
+    try:
+        wait_until(done, timeout, what=f"run {run_id} to end")
+    except AssertionError:
+        raise AssertionError(f"run {run_id} did not end within {timeout} s: {seen}") from None
     return seen
 
 
