@@ -146,7 +146,11 @@ def harness_detail(request: HttpRequest, harness_id: str) -> HttpResponse:
     h = _harness_or_404(tc, harness_id)
     context = _detail_context(request, tc, h)
     if _is_fragment(request) and request.GET.get("part") == "header":
-        return _render(request, "hangar/partials/harness_header.html", context, tc)
+        response = _render(request, "hangar/partials/harness_header.html", context, tc)
+        if request.GET.get("was", context["status"]) != context["status"]:
+            # Its state changed (it runs now, say): the whole page changes with it.
+            response["HX-Refresh"] = "true"
+        return response
     return _render(request, "hangar/harness_detail.html", context, tc)
 
 
