@@ -125,7 +125,8 @@ def cmd_up(args: argparse.Namespace) -> int:
         node = Node.objects.get(name=local_node_name())
         _become_subreaper()
         py = sys.executable
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        # The port it serves on is what its children tell others (preview URLs, hangar.internal).
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "HANGAR_PORT": str(args.port)}
         if redis_proc is not None:
             env["REDIS_URL"] = settings.REDIS_URL
         specs = [

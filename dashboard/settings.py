@@ -294,8 +294,19 @@ HANGAR_RUN_MAX_TIMEOUT_S = env_int("HANGAR_RUN_MAX_TIMEOUT_S", HANGAR_EXEC_MAX_T
 HANGAR_PUBLIC_URL = env_str("HANGAR_PUBLIC_URL", f"http://localhost:{env_int('HANGAR_PORT', 8000)}").rstrip(
     "/"
 )
-HANGAR_SANDBOX_API_URL = env_str("HANGAR_SANDBOX_API_URL", HANGAR_PUBLIC_URL + "/api/v1")
-HANGAR_SANDBOX_OTLP_ENDPOINT = env_str("HANGAR_SANDBOX_OTLP_ENDPOINT", HANGAR_PUBLIC_URL)
+# Sandboxes allowed to (harnesses) reach Hangar at hangar.internal:<this port>, on the node's
+# side of their network, where the node's bridge forwards to HANGAR_INTERNAL_URL (0: nowhere).
+HANGAR_SANDBOX_GATEWAY_PORT = env_int("HANGAR_SANDBOX_GATEWAY_PORT", 8719, minimum=0)
+HANGAR_INTERNAL_URL = env_str(
+    "HANGAR_INTERNAL_URL", f"http://127.0.0.1:{env_int('HANGAR_PORT', 8000)}"
+).rstrip("/")
+_SANDBOX_HANGAR = (
+    f"http://hangar.internal:{HANGAR_SANDBOX_GATEWAY_PORT}"
+    if HANGAR_SANDBOX_GATEWAY_PORT
+    else HANGAR_PUBLIC_URL
+)
+HANGAR_SANDBOX_API_URL = env_str("HANGAR_SANDBOX_API_URL", _SANDBOX_HANGAR + "/api/v1")
+HANGAR_SANDBOX_OTLP_ENDPOINT = env_str("HANGAR_SANDBOX_OTLP_ENDPOINT", _SANDBOX_HANGAR)
 # The SSH gateway into harnesses (`hangar up` starts it; 0: none). The host key is made once
 # under the data dir. HANGAR_SSH_HOST is the host name shown in the command to copy.
 HANGAR_SSH_PORT = env_int("HANGAR_SSH_PORT", 2222, minimum=0)

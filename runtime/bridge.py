@@ -110,6 +110,18 @@ class Bridge:
             tunnel_server = await serve(
                 settings.HANGAR_NODE_ADDRESS, settings.HANGAR_TUNNEL_PORT, self.node_name
             )
+        gateway = None
+        if settings.HANGAR_SANDBOX_GATEWAY_PORT:  # hangar.internal for sandboxes let through
+            from .gateway import Gateway
+
+            gateway = Gateway(port=settings.HANGAR_SANDBOX_GATEWAY_PORT, target=settings.HANGAR_INTERNAL_URL,
+                              pool=settings.HANGAR_NETWORK_POOL)  # fmt: skip
+            try:
+                await gateway.start()
+            except OSError as exc:
+                log.error("bridge: hangar.internal cannot listen on port %d (%s); harnesses on this node will "
+                          "not reach Hangar", settings.HANGAR_SANDBOX_GATEWAY_PORT, exc)  # fmt: skip
+                gateway = None
         log.info("bridge for node %s listening on %s", self.node_name, self.channel)
         if ready is not None:
             ready.set()
@@ -124,6 +136,8 @@ class Bridge:
             housekeeping.cancel()
             if tunnel_server is not None:
                 tunnel_server.close()
+            if gateway is not None:
+                await gateway.close()
             for lp in list(self.procs.values()):
                 with contextlib.suppress(Exception):
                     lp.process.close()

@@ -31,6 +31,7 @@ def launcher_for(runtime: str) -> Launcher:
             network_pool=settings.HANGAR_NETWORK_POOL,
             network_exceptions=tuple(settings.HANGAR_NETWORK_EXCEPTIONS),
             network_nameservers=tuple(settings.HANGAR_NETWORK_NAMESERVERS),
+            gateway_port=settings.HANGAR_SANDBOX_GATEWAY_PORT,
         )
     return get_launcher(runtime, state_dir=str(settings.HANGAR_RUNTIME_DIR / runtime))
 

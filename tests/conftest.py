@@ -128,13 +128,14 @@ def celery_worker(service_env) -> Iterator[subprocess.Popen]:
 
 
 @pytest.fixture(scope="session")
-def bridge(service_env) -> Iterator[subprocess.Popen]:
-    """The test node's real stream bridge process (live processes and terminals)."""
+def bridge(service_env, server) -> Iterator[subprocess.Popen]:
+    """The test node's real stream bridge process (live processes and terminals, and
+    hangar.internal, which forwards to the test server)."""
     log_path = Path(tempfile.mkdtemp()) / "bridge.log"
     log = open(log_path, "wb")
     proc = subprocess.Popen(
         [sys.executable, "-m", "dashboard.cli", "bridge"],
-        cwd=ROOT, env=service_env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=die_with_parent,
+        cwd=ROOT, env={**service_env, "HANGAR_INTERNAL_URL": server}, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=die_with_parent,
     )  # fmt: skip
     wait_until(lambda: b"listening on" in log_path.read_bytes() or proc.poll() is not None, 60, what="bridge")
     assert proc.poll() is None, log_path.read_text()

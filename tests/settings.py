@@ -13,4 +13,12 @@ os.environ.setdefault("HANGAR_ACTIVITY_REPORT_S", "1")  # bridges report termina
 os.environ.setdefault("HANGAR_FLOW_HIGH_BYTES", str(16 * 1024))
 os.environ.setdefault("HANGAR_FLOW_LOW_BYTES", str(4 * 1024))
 
+# hangar.internal's port, one per test session (several sessions may share a machine).
+if "HANGAR_SANDBOX_GATEWAY_PORT" not in os.environ:
+    import socket
+
+    with socket.socket() as _s:
+        _s.bind(("127.0.0.1", 0))
+        os.environ["HANGAR_SANDBOX_GATEWAY_PORT"] = str(_s.getsockname()[1])
+
 from dashboard.settings import *  # noqa: E402,F403

@@ -100,10 +100,11 @@ class GVisorLauncher(Launcher):
         network_pool: str = "10.88.0.0/16",
         network_exceptions: tuple[str, ...] = (),
         network_nameservers: tuple[str, ...] = (),
+        gateway_port: int = 0,
     ) -> None:
         self.state_dir = Path(state_dir)
         self.network = Network(self.state_dir, pool=network_pool, exceptions=network_exceptions,
-                               nameservers=network_nameservers)  # fmt: skip
+                               nameservers=network_nameservers, gateway_port=gateway_port)  # fmt: skip
         self.root = self.state_dir / "runsc-root"
         self.sandboxes_dir = self.state_dir / "sandboxes"
         self.runsc = runsc
@@ -535,7 +536,9 @@ class GVisorLauncher(Launcher):
         # Through the agent, inside the sandbox: a write from the host into its root would
         # follow a symlinked /etc out of it, and gVisor caches the root filesystem anyway.
         client = self._client(self._handle_for(sandbox_id))
-        for path, text in self.network.resolution_files(policy, names).items():
+        lease = self.network.lease_of(sandbox_id)
+        gateway = lease.host_ip if lease is not None else None
+        for path, text in self.network.resolution_files(policy, names, gateway).items():
             with contextlib.suppress(agent_client.AgentError):
                 client.write_file(path, text.encode())
 

@@ -58,6 +58,8 @@ TABLE = "hangar"
 IFACE_PREFIX = "hg"
 NETNS_PREFIX = "hangar-"
 EGRESS = ("none", "allowlist", "all")
+ACCESS_SET = "hangar_access"  # (host-side veth . port) pairs let in to the node's gateway port
+HANGAR_HOST = "hangar.internal"  # the name a sandbox allowed to reach Hangar uses
 ALWAYS_DENIED = (
     "0.0.0.0/8", "10.0.0.0/8", "100.64.0.0/10", "127.0.0.0/8", "169.254.0.0/16", "172.16.0.0/12",
     "192.0.0.0/24", "192.168.0.0/16", "224.0.0.0/4", "240.0.0.0/4",
@@ -82,13 +84,19 @@ class Allowed:
 class Policy:
     egress: str = "none"
     allow: list[str] = field(default_factory=list)
+    # The sandbox may reach Hangar itself at hangar.internal (the node's gateway port, which
+    # forwards to Hangar's API and OTLP endpoint): a harness's agent uses its API token there.
+    hangar: bool = False
 
     @property
     def enabled(self) -> bool:
-        return self.egress != "none"
+        return self.egress != "none" or self.hangar
 
     def as_dict(self) -> dict[str, Any]:
-        return {"egress": self.egress, "allow": list(self.allow)}
+        out: dict[str, Any] = {"egress": self.egress, "allow": list(self.allow)}
+        if self.hangar:
+            out["hangar"] = True
+        return out
 
 
 HOST_RE_CHARS = set("abcdefghijklmnopqrstuvwxyz0123456789-.")
@@ -143,7 +151,10 @@ def validate_policy(value: Any) -> Policy:
         raise ValueError('egress "allowlist" needs at least one entry in allow')
     if egress != "allowlist" and parsed:
         raise ValueError(f'allow is for egress "allowlist" (egress is {egress!r})')
-    return Policy(egress=egress, allow=[a.text for a in parsed])
+    hangar = value.get("hangar", False)
+    if not isinstance(hangar, bool):
+        raise ValueError("hangar is true or false (whether the sandbox may reach Hangar at hangar.internal)")
+    return Policy(egress=egress, allow=[a.text for a in parsed], hangar=hangar)
 
 
 def unshare_wrapper(argv: list[str]) -> list[str]:
@@ -185,8 +196,10 @@ class Network:
         exceptions: Iterable[str] = (),
         nameservers: Iterable[str] | None = None,
         resolve: Callable[[str], list[str]] | None = None,
+        gateway_port: int = 0,
     ) -> None:
         self.dir = Path(state_dir) / "network"
+        self.gateway_port = gateway_port  # where hangar.internal answers on the host side (0: nowhere)
         self.pool = ipaddress.IPv4Network(pool)
         if self.pool.prefixlen > 28:
             raise NetworkError(f"the sandbox address pool {pool} is too small")
@@ -229,6 +242,10 @@ class Network:
                 f.write("1")
             if _run(["nft", "list", "table", "inet", TABLE], check=False).returncode != 0:
                 _run(["nft", "-f", "-"], stdin=self._base_script())
+            elif _run(["nft", "list", "set", "inet", TABLE, ACCESS_SET], check=False).returncode != 0:
+                # A table made by an earlier version: the set for hangar.internal, first in input.
+                _run(["nft", "-f", "-"], stdin=f"add set inet {TABLE} {ACCESS_SET} {{ type ifname . inet_service; }}\n"
+                     f"insert rule inet {TABLE} input iifname . tcp dport @{ACCESS_SET} accept\n")  # fmt: skip
             nat = _run(["nft", "list", "chain", "ip", f"{TABLE}_nat", "postrouting"], check=False).stdout
             if f"ip saddr {self.pool} " not in nat:  # a pool of its own (another state dir, a test)
                 _run(["nft", "add", "rule", "ip", f"{TABLE}_nat", "postrouting", "ip", "saddr", str(self.pool),
@@ -241,6 +258,8 @@ add table inet {TABLE}
 add map inet {TABLE} by_iface {{ type ifname : verdict; }}
 add chain inet {TABLE} forward {{ type filter hook forward priority 0; policy accept; }}
 add chain inet {TABLE} input {{ type filter hook input priority 0; policy accept; }}
+add set inet {TABLE} {ACCESS_SET} {{ type ifname . inet_service; }}
+add rule inet {TABLE} input iifname . tcp dport @{ACCESS_SET} accept
 add rule inet {TABLE} forward iifname vmap @by_iface
 add rule inet {TABLE} forward iifname "{IFACE_PREFIX}*" drop
 add rule inet {TABLE} forward oifname "{IFACE_PREFIX}*" ct state established,related accept
@@ -365,6 +384,12 @@ add chain ip {TABLE}_nat postrouting {{ type nat hook postrouting priority 100; 
                     )
         lines.append(f"add rule inet {TABLE} {chain} drop")
         lines.append(f'add element inet {TABLE} by_iface {{ "{lease.veth}" : jump {chain} }}')
+        if self.gateway_port:
+            # Adding first makes the delete safe whether or not it was there.
+            element = f'{{ "{lease.veth}" . {self.gateway_port} }}'
+            lines.append(f"add element inet {TABLE} {ACCESS_SET} {element}")
+            if not policy.hangar:
+                lines.append(f"delete element inet {TABLE} {ACCESS_SET} {element}")
         _run(["nft", "-f", "-"], stdin="\n".join(lines) + "\n")
         # What is in force, for refresh(): the node's own record, not a database snapshot.
         self._policy_path(sandbox_id).write_text(json.dumps(policy.as_dict()))
@@ -378,11 +403,15 @@ add chain ip {TABLE}_nat postrouting {{ type nat hook postrouting priority 100; 
             return validate_policy(json.loads(self._policy_path(sandbox_id).read_text()))
         return None
 
-    def resolution_files(self, policy: Policy, names: dict[str, list[str]]) -> dict[str, str]:
+    def resolution_files(
+        self, policy: Policy, names: dict[str, list[str]], gateway: str | None = None
+    ) -> dict[str, str]:
         """/etc/hosts (the pinned names) and /etc/resolv.conf for the sandbox: allowlisted
         sandboxes resolve only the pinned names; with all egress they get the node's own
         (non-loopback) nameservers."""
         hosts = ["127.0.0.1\tlocalhost", "::1\tlocalhost ip6-localhost ip6-loopback"]
+        if policy.hangar and gateway:
+            hosts.append(f"{gateway}\t{HANGAR_HOST}")
         hosts += [f"{addrs[0]}\t{name}" for name, addrs in sorted(names.items()) if addrs]
         servers = self.nameservers if policy.egress == "all" else []
         resolv = (
@@ -399,6 +428,9 @@ add chain ip {TABLE}_nat postrouting {{ type nat hook postrouting priority 100; 
             _run(
                 ["nft", "delete", "element", "inet", TABLE, "by_iface", f'{{ "{lease.veth}" }}'], check=False
             )
+            if self.gateway_port:
+                _run(["nft", "delete", "element", "inet", TABLE, ACCESS_SET,
+                      f'{{ "{lease.veth}" . {self.gateway_port} }}'], check=False)  # fmt: skip
         _run(["nft", "delete", "chain", "inet", TABLE, chain], check=False)
         if release:
             self._lease_path(sandbox_id).unlink(missing_ok=True)
@@ -458,6 +490,9 @@ add chain ip {TABLE}_nat postrouting {{ type nat hook postrouting priority 100; 
             _run(
                 ["nft", "delete", "element", "inet", TABLE, "by_iface", f'{{ "{lease.veth}" }}'], check=False
             )
+            if self.gateway_port:
+                _run(["nft", "delete", "element", "inet", TABLE, ACCESS_SET,
+                      f'{{ "{lease.veth}" . {self.gateway_port} }}'], check=False)  # fmt: skip
         self.teardown(sandbox_id)
         (self.dir / "leases" / f"{sandbox_id}.names").unlink(missing_ok=True)
 

@@ -259,7 +259,10 @@ def harness_create(
     disk_mb = settings.HANGAR_HARNESS_DISK_MB if disk_mb is None else disk_mb
     if idle_timeout_s == 0:
         idle_timeout_s = None  # never idle
-    net = network if network is not None else {"egress": "all"}
+    # The agent reaches Hangar (its API token, OTLP) at hangar.internal unless told not to.
+    net = dict(network) if isinstance(network, dict) else ({"egress": "all"} if network is None else network)
+    if isinstance(net, dict) and settings.HANGAR_SANDBOX_GATEWAY_PORT:
+        net.setdefault("hangar", True)
     net = sandbox_svc.validate_network(net, runtime="gvisor")
     image_row = sandbox_svc.image_resolve(image)
     sandbox_svc._validate_limits(cpu=cpu, memory_mb=memory_mb, timeout_s=60)

@@ -383,7 +383,7 @@ def _validate_pause_mode(
     if mode not in PAUSE_MODES:
         raise InvalidValue(f"unknown pause mode {mode!r}; one of: {', '.join(PAUSE_MODES)}")
     if mode == PAUSE_MODE_CHECKPOINT:
-        if (network or {}).get("egress", "none") != "none":
+        if network:  # any network at all (validated: {} when it has none)
             raise InvalidValue(
                 "a sandbox with network egress cannot be checkpointed yet: pause it with mode stop"
             )

@@ -219,3 +219,48 @@ def test_other_teams_cannot_see_or_touch_a_harness_and_deleting_keeps_the_volume
     assert r.status_code == 204
     wait_until(lambda: "mine-workspace" not in {v["name"] for v in api.get("/volumes").json()}, 60,
                what="the volume deleted with its harness")  # fmt: skip
+
+
+# An HTTP request from inside a sandbox with bash alone (the minimal image has no curl).
+BASH_HTTP = r"""
+req() {
+  u=${HANGAR_API_URL#http://}; hp=${u%%/*}; host=${hp%:*}; port=${hp#*:}
+  exec 3<>"/dev/tcp/$host/$port" || exit 9
+  printf '%s %s HTTP/1.1\r\nHost: %s\r\nAuthorization: Bearer %s\r\nContent-Type: application/json\r\nContent-Length: %d\r\nConnection: close\r\n\r\n%s' \
+    "$1" "$2" "$hp" "$HANGAR_API_TOKEN" "${#3}" "$3" >&3
+  cat <&3
+}
+"""
+
+
+def test_the_agent_reaches_hangars_api_at_hangar_internal_with_its_token(api, minimal_image):
+    h = create(api, name="caller", network={"egress": "none"})
+    h = wait_status(api, h["id"], "running")
+    assert h["network"]["hangar"] is True
+    env = sh(api, h["sandbox"], "echo $HANGAR_API_URL; getent hosts hangar.internal")["stdout"].split()
+    assert env[0].startswith("http://hangar.internal:") and env[0].endswith("/api/v1"), env
+    gateway = env[1]
+    script = (
+        BASH_HTTP
+        + 'req GET /api/v1/sandboxes ""; echo; req POST /api/v1/sandboxes \'{"image": "busybox", "wait": true}\''
+    )
+    r = api.post(
+        f"/sandboxes/{h['sandbox']}/exec", json={"cmd": ["/bin/bash", "-c", script], "timeout_s": 60}
+    )
+    out = r.json()["stdout"]
+    assert "HTTP/1.1 200" in out and h["sandbox"] in out, out
+    assert "HTTP/1.1 201" in out, out
+    made = [s for s in api.get("/sandboxes").json() if s["image"] == "busybox"]
+    assert len(made) == 1 and made[0]["status"] == "running", (
+        "the agent's sandbox is the team's like any other"
+    )
+    # Its token is the harness's own: revoked when the harness goes (checked below), and
+    # hangar.internal is closed to sandboxes not let through.
+    r = api.put(f"/sandboxes/{h['sandbox']}/network", json={"egress": "none", "hangar": False})
+    assert r.status_code == 200, r.text
+    probe = f"timeout 5 bash -c 'exec 3<>/dev/tcp/{gateway}/{env[0].rsplit(':', 1)[1].split('/')[0]}' && echo open"
+    assert "open" not in sh(api, h["sandbox"], probe)["stdout"]
+    token = sh(api, h["sandbox"], "echo $HANGAR_API_TOKEN")["stdout"].strip()
+    assert api.delete(f"/harnesses/{h['id']}").status_code == 204
+    r = httpx.get(f"{api.base_url}sandboxes", headers={"Authorization": f"Bearer {token}"})
+    assert r.status_code == 401, "a deleted harness's token still works"
