@@ -442,9 +442,19 @@ def harness_setup(*, harness_id: str) -> None:
         result = launcher_for(sandbox.runtime).exec(sandbox.handle, req, on_output=writer)
     except LauncherError as exc:
         writer.close()
+        if not Sandbox.objects.filter(id=sandbox.id, status=S.RUNNING).exists():
+            Harness.objects.filter(id=h.id, setup=Harness.Setup.RUNNING).update(setup=Harness.Setup.PENDING)
+            harness_log(h, "event", "setup interrupted: it carries on when the harness starts again")
+            return
         _setup_failed(h, f"the sandbox could not run the setup: {exc}")
         return
     writer.close()
+    if not Sandbox.objects.filter(id=sandbox.id, status=S.RUNNING).exists():
+        # Paused or stopped under it: done again (every step is skipped when already done)
+        # when the harness next starts.
+        Harness.objects.filter(id=h.id, setup=Harness.Setup.RUNNING).update(setup=Harness.Setup.PENDING)
+        harness_log(h, "event", "setup interrupted: it carries on when the harness starts again")
+        return
     if result.timed_out:
         _setup_failed(h, f"setup took longer than {SETUP_TIMEOUT_S} s")
         return
@@ -509,6 +519,15 @@ def harness_resume(*, harness: Harness, user: Any = None) -> Harness:
     """Start the harness again over its files; a harness whose sandbox is gone (failed,
     stopped) gets a new one on the same volume."""
     sb = harness.sandbox
+    if harness.setup == Harness.Setup.FAILED:
+        # Resume after a failed setup tries it again (a secret fixed, a branch pushed…).
+        Harness.objects.filter(id=harness.id).update(setup=Harness.Setup.PENDING, setup_error="")
+        harness.setup, harness.setup_error = Harness.Setup.PENDING, ""
+        harness_log(harness, "event", "trying the workspace setup again")
+        if sb is not None and sb.status == S.RUNNING:
+            harness_setup_enqueue(sb)
+            audit.record("harness.resume", team=harness.team, target=f"{harness.name} ({harness.id})")
+            return harness
     if sb is not None and sb.status == S.PAUSED:
         sandbox_svc.sandbox_resume(sandbox=sb)
         harness_log(harness, "event", "resuming")

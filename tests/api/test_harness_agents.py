@@ -126,6 +126,12 @@ def test_a_preset_whose_cli_cannot_be_installed_fails_its_setup_with_the_reason(
     assert "Claude Code is not in the image and npm is not there to install it" in log_text(api, h["id"])
     r = api.post(f"/harnesses/{h['id']}/runs", json={"prompt": "x"})
     assert r.status_code == 409 and "setup failed" in r.json()["detail"]
+    # Resume tries the setup again (here it fails again, for the same reason).
+    r = api.post(f"/harnesses/{h['id']}/resume")
+    assert r.status_code == 200 and r.json()["setup"] in ("pending", "running", "failed"), r.text
+    wait_until(lambda: log_text(api, h["id"]).count("npm is not there") == 2, 60, what="the setup retried")
+    assert "trying the workspace setup again" in log_text(api, h["id"])
+    assert wait_status(api, h["id"], "failed")["setup"] == "failed"
 
 
 def test_secret_values_appear_nowhere_hangar_writes(api, minimal_image, git_server, client):
