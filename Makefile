@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PORT ?= 8000
 
-.PHONY: up install system-deps test-deps venv test lint bench-tti bench-dashboard bench-pause bench-pools bench-network services
+.PHONY: up install system-deps test-deps venv test lint bench-tti bench-dashboard bench-pause bench-pools bench-network bench-harness services
 
 up: install
 	$(VENV)/bin/hangar image build busybox
@@ -50,3 +50,6 @@ bench-pools: install
 
 bench-network: install
 	$(PY) bench/network.py
+
+bench-harness: install
+	$(PY) bench/harness.py

@@ -308,9 +308,8 @@ GIT_PORT = 9418
 
 
 @pytest.fixture(scope="session")
-def git_server(world, tmp_path_factory):
-    """A git daemon on the world's address A (``git://198.18.0.2/project.git``): a repository
-    with a README on ``main`` and a ``feature`` branch, served read-only."""
+def git_repos(tmp_path_factory) -> Path:
+    """A directory holding ``project.git``: a README on ``main`` and a ``feature`` branch."""
     root = tmp_path_factory.mktemp("git")
     work = root / "work"
     env = {**os.environ, "GIT_AUTHOR_NAME": "Test", "GIT_AUTHOR_EMAIL": "t@example.com",
@@ -331,6 +330,13 @@ def git_server(world, tmp_path_factory):
     git("commit", "-q", "-m", "feature")
     git("checkout", "-q", "main")
     git("clone", "-q", "--bare", str(work), str(root / "project.git"), cwd=root)
+    return root
+
+
+@pytest.fixture(scope="session")
+def git_server(world, git_repos):
+    """A git daemon on the world's address A (``git://198.18.0.2/project.git``), read-only."""
+    root = git_repos
     proc = subprocess.Popen(
         ["ip", "netns", "exec", WORLD_NS, "git", "daemon", "--reuseaddr", f"--base-path={root}", "--export-all",
          f"--listen={WORLD_A}", f"--port={GIT_PORT}", str(root)],
@@ -345,5 +351,31 @@ def git_server(world, tmp_path_factory):
             assert time.monotonic() < deadline, "git daemon did not start"
             time.sleep(0.1)
     yield f"git://{WORLD_A}/project.git"
+    proc.kill()
+    proc.wait()
+
+
+GIT_HTTP_PORT = 8081
+
+
+@pytest.fixture(scope="session")
+def private_git_server(world, git_repos):
+    """The same repository over git's smart HTTP behind basic authentication, as a forge serves
+    a private repository: (``http://198.18.0.2:8081/project.git``, user, token)."""
+    token = "ghp_private_" + os.urandom(12).hex()
+    proc = subprocess.Popen(
+        ["ip", "netns", "exec", WORLD_NS, sys.executable, str(ROOT / "tests" / "git_http_server.py"),
+         str(git_repos), WORLD_A, str(GIT_HTTP_PORT), "x-access-token", token],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            socket.create_connection((WORLD_A, GIT_HTTP_PORT), timeout=1).close()
+            break
+        except OSError:
+            assert time.monotonic() < deadline, "the git HTTP server did not start"
+            time.sleep(0.1)
+    yield f"http://{WORLD_A}:{GIT_HTTP_PORT}/project.git", "x-access-token", token
     proc.kill()
     proc.wait()

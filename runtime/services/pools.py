@@ -100,14 +100,19 @@ def pool_delete(*, pool: Pool) -> None:
     """Delete the pool and its unclaimed members; claimed sandboxes are the callers' and stay."""
     from .sandboxes import sandbox_delete
 
-    for member in (
-        Sandbox.objects.filter(pool=pool, claimed_at__isnull=True)
-        .exclude(status=S.DELETED)
-        .select_related("node")
-    ):
-        sandbox_delete(sandbox=member, reason=f"its warm pool {pool.id} was deleted")
-    audit.record("pool.delete", team=pool.team, target=pool.id)
-    pool.delete()
+    with transaction.atomic():
+        # The pool's row lock first: a refill starting a member holds it too (and finds the
+        # pool gone once this commits), so no member can be added between the two steps.
+        if not Pool.objects.select_for_update().filter(id=pool.id).exists():
+            return
+        for member in (
+            Sandbox.objects.filter(pool=pool, claimed_at__isnull=True)
+            .exclude(status=S.DELETED)
+            .select_related("node")
+        ):
+            sandbox_delete(sandbox=member, reason=f"its warm pool {pool.id} was deleted")
+        audit.record("pool.delete", team=pool.team, target=pool.id)
+        pool.delete()
 
 
 def pool_refill(*, pool_id: str) -> int:

@@ -242,3 +242,32 @@ def test_the_harness_quota_is_enforced_and_a_refusal_leaves_nothing_behind(api, 
     r = api.post("/harnesses", json={"name": "two", "agent": "custom", "command": "x", "image": "minimal",
                                      "network": {"egress": "none"}})  # fmt: skip
     assert r.status_code == 201, r.text
+
+
+def test_a_private_repository_is_cloned_with_a_token_from_a_secret(api, minimal_image, private_git_server):
+    url, _user, token = private_git_server
+    net = {"egress": "allowlist", "allow": ["198.18.0.2:8081"]}
+    # Without the credential: the clone is refused, and says so (git never prompts).
+    h = create(api, name="no-token", repo={"url": url}, network=net)
+    h = wait_status(api, h["id"], "failed")
+    assert "could not read Username" in log_text(api, h["id"]) or "Authentication failed" in log_text(
+        api, h["id"]
+    )
+    # With it: cloned; git reads the token from the environment when it asks, so fetches work
+    # later too, and the token is in no file of the workspace.
+    assert api.post("/secrets", json={"name": "REPO_TOKEN", "value": token}).status_code == 201
+    h = create(api, name="with-token", repo={"url": url, "secret": "REPO_TOKEN"}, network=net)
+    h = wait_status(api, h["id"], "running")
+    assert "checked out main" in log_text(api, h["id"])
+    out = sh(
+        api,
+        h["sandbox"],
+        "cd /workspace && git fetch origin feature && git log --oneline FETCH_HEAD | head -1",
+    )
+    assert out["exit_code"] == 0 and "feature" in out["stdout"], out
+    r = api.post(f"/sandboxes/{h['sandbox']}/exec",
+                 json={"cmd": "cd /workspace && grep -rlF -f - . ; echo end", "stdin": token + "\n"})  # fmt: skip
+    assert r.json()["stdout"] == "end\n"
+    assert token not in log_text(api, h["id"]) and token not in json.dumps(
+        api.get(f"/harnesses/{h['id']}").json()
+    )

@@ -85,10 +85,8 @@ def test_a_repository_is_cloned_a_run_edits_it_and_pause_resume_keeps_the_edit(
         api, h["sandbox"], "cd /workspace && git log --oneline && ls -a && echo HOME=$HOME && git status -s"
     )
     assert "first" in out["stdout"] and "README.md" in out["stdout"] and "app.py" in out["stdout"]
-    assert "HOME=/workspace/.hangar/home" in out["stdout"]
-    assert out["stdout"].rstrip().endswith("HOME=/workspace/.hangar/home"), (
-        "Hangar's own files show in git status"
-    )
+    # Hangar's own files (.hangar/, lost+found/) do not show in git status.
+    assert out["stdout"].rstrip().endswith("HOME=/workspace/.hangar/home"), out["stdout"]
     # The harness's own API token and OTLP settings are in its environment.
     env = sh(api, h["sandbox"], "env")["stdout"]
     assert "HANGAR_API_TOKEN=hgr_" in env and "OTEL_EXPORTER_OTLP_ENDPOINT=" in env
@@ -111,6 +109,9 @@ def test_a_repository_is_cloned_a_run_edits_it_and_pause_resume_keeps_the_edit(
     assert ".hangar" not in run["diff"]
     assert f"run {run['id']} succeeded" in log_text(api, h["id"])
 
+    # The agent's own config lives in its HOME, on the volume.
+    config = 'mkdir -p "$HOME/.claude" && echo \'{"theme": "dark"}\' > "$HOME/.claude/settings.json"'
+    assert sh(api, h["sandbox"], config)["exit_code"] == 0
     r = api.post(f"/harnesses/{h['id']}/pause", json={"wait": True})
     assert r.status_code == 200 and r.json()["status"] == "paused", r.text
     r = api.post(f"/harnesses/{h['id']}/resume", json={"wait": True})
@@ -123,6 +124,7 @@ def test_a_repository_is_cloned_a_run_edits_it_and_pause_resume_keeps_the_edit(
     assert (
         " M README.md" in out["stdout"] and "?? from-stdin.txt" in out["stdout"] and "first" in out["stdout"]
     )
+    assert sh(api, h["sandbox"], 'cat "$HOME/.claude/settings.json"')["stdout"] == '{"theme": "dark"}\n'
 
     # A second run's diff is only what that run did.
     assert [x["id"] for x in api.get(f"/harnesses/{h['id']}/runs").json()] == [run["id"]]
