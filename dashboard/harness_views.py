@@ -96,7 +96,8 @@ def harnesses(request: HttpRequest) -> HttpResponse:
                 command=p.get("command", "") or None, image=p.get("image", "base"),
                 cpu=_float(p.get("cpu"), "CPU", 1.0), memory_mb=_int(p.get("memory_mb"), "memory", 2048) or 2048,
                 disk_mb=_int(p.get("disk_mb"), "disk"), repo=repo if repo["url"] else None,
-                secrets=p.getlist("secrets"), idle_timeout_s=_int(p.get("idle_timeout_s"), "idle timeout"),
+                secrets=p.getlist("secrets"),
+                idle_timeout_s=_int(p.get("idle_timeout_s"), "idle timeout", settings.HANGAR_HARNESS_IDLE_TIMEOUT_S),
                 network=network,
             )  # fmt: skip
         except ServiceError as exc:
@@ -160,7 +161,10 @@ def harness_log(request: HttpRequest, harness_id: str) -> HttpResponse:
     """New log entries after ``?after=`` (the page polls this while it is open)."""
     tc = _team_context(request)
     h = _harness_or_404(tc, harness_id)
-    after = _int(request.GET.get("after"), "after", 0) or 0
+    try:
+        after = max(0, int(request.GET.get("after") or 0))
+    except ValueError:
+        after = 0
     entries = svc.harness_log_entries(harness=h, after=after, limit=500)
     return _render(request, "hangar/partials/harness_log.html",
                    {"h": h, "log": entries, "log_last": entries[-1].id if entries else after}, tc)  # fmt: skip

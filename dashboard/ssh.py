@@ -124,7 +124,7 @@ def _check_key(fingerprint: str, target: str) -> tuple[Any, Any, str]:
     if not USERNAME_RE.fullmatch(target):
         return user, None, f"hangar: no harness {target!r} in your teams"
     try:
-        harness = harness_for_ssh(user=user, target=target)
+        harness = harness_for_ssh(user=user, target=target, fingerprint=fingerprint)
     except ServiceError as exc:
         return user, None, f"hangar: {exc.message}"
     return user, harness, ""

@@ -600,6 +600,9 @@ class SshKey(models.Model):
     name = models.CharField(max_length=100)
     public_key = models.TextField()  # one line, OpenSSH format
     fingerprint = models.CharField(max_length=100, unique=True)  # SHA256:…
+    # Registered with an API token: it opens only that token's team's harnesses (a token is a
+    # team's; from the dashboard, a key opens every team of the user's).
+    team = models.ForeignKey(Team, null=True, blank=True, on_delete=models.CASCADE, related_name="+")
     created_at = models.DateTimeField(auto_now_add=True)
     last_used_at = models.DateTimeField(null=True, blank=True)
 

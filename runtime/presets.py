@@ -110,6 +110,14 @@ def preset(name: str) -> Preset:
         raise ValueError(f"unknown agent {name!r}; one of: {', '.join(PRESETS)}") from None
 
 
+def _origin(url: str) -> str:
+    """``https://host[:port]`` of an http(s) URL (what git matches a credential section on)."""
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(url)
+    return f"{parts.scheme}://{parts.netloc.rsplit('@', 1)[-1]}"
+
+
 def _q(value: str) -> str:
     return "'" + value.replace("'", "'\"'\"'") + "'"
 
@@ -130,9 +138,10 @@ def setup_script(
         f"cd {WORKSPACE}",
     ]
     if repo_secret and repo_auth == "token":
-        # A credential helper that answers with the variable's value at the moment git asks.
+        # A credential helper that answers with the variable's value at the moment git asks,
+        # for the repository's own host only (a submodule elsewhere never gets the token).
         helper = f'!f() {{ test "$1" = get && echo username=x-access-token && echo "password=${{{repo_secret}}}"; }}; f'
-        lines.append(f"git config --global credential.helper {_q(helper)}")
+        lines.append(f"git config --global {_q(f'credential.{_origin(repo_url)}.helper')} {_q(helper)}")
     elif repo_secret and repo_auth == "ssh-key":
         # A deploy key: held by a throwaway ssh-agent for one connection, never written out.
         ssh = (

@@ -161,10 +161,14 @@ def run_finish(self, run_id: str) -> None:
         raise self.retry(exc=exc) from exc
 
 
-@shared_task(bind=True, max_retries=60, default_retry_delay=2)
+@shared_task(bind=True, max_retries=180, default_retry_delay=10)
 def volume_delete_when_free(self, volume_id: str) -> None:
-    """A deleted harness's volume, once its sandbox has let go of it."""
+    """A deleted harness's volume, once its sandbox has let go of it (tried for half an hour:
+    a node that is down keeps it; then it is left, with an error in the log, to delete by hand)."""
     from .services import harnesses
 
     if not harnesses.volume_delete_when_free(volume_id=volume_id):
-        raise self.retry()
+        if self.request.retries >= self.max_retries:
+            log.error("volume %s of a deleted harness is still held; delete it by hand", volume_id)
+            return
+        raise self.retry(countdown=2 if self.request.retries < 30 else 10)

@@ -113,3 +113,29 @@ def test_ssh_keys_are_added_shown_and_removed_on_the_profile(client, crew, tmp_p
         assert r.status_code in (409, 422) and words in r.content.decode(), words
     r = client.post("/profile/", {"action": "delete", "key": str(row.id)})
     assert r.status_code == 302 and not SshKey.objects.filter(user=user).exists()
+
+
+def test_a_key_registered_with_a_teams_token_opens_only_that_teams_harnesses(crew, harness, tmp_path):
+    from runtime.errors import NotFound
+    from runtime.services.ssh_keys import harness_for_ssh, ssh_key_add
+
+    other = Team.objects.create(name="other")
+    user = _member("dual", crew, "member")
+    Membership.objects.create(user=user, team=other, role="member")
+    theirs = Harness.objects.create(team=other, name="theirs", agent="custom", image="base")
+    keys = []
+    for name in ("a", "b"):
+        subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(tmp_path / name)], check=True)
+        keys.append((tmp_path / f"{name}.pub").read_text())
+    scoped = ssh_key_add(user=user, name="ci", public_key=keys[0], team=crew)  # with crew's token
+    anywhere = ssh_key_add(user=user, name="laptop", public_key=keys[1])  # on the profile page
+    assert harness_for_ssh(user=user, target="web", fingerprint=scoped.fingerprint) == harness
+    with pytest.raises(NotFound):
+        harness_for_ssh(user=user, target="theirs", fingerprint=scoped.fingerprint)
+    assert harness_for_ssh(user=user, target="theirs", fingerprint=anywhere.fingerprint) == theirs
+
+
+def test_the_log_poll_ignores_a_bad_offset(client, crew, harness):
+    client.force_login(_member("mel", crew, "member"))
+    r = client.get(f"/harnesses/{harness.id}/log/?after=abc")
+    assert r.status_code == 200 and "cloning" in r.content.decode()

@@ -355,6 +355,7 @@ class SshKeyIn(Schema):
 class SshKeyOut(Schema):
     id: int
     name: str
+    team: str | None = Field(description="the only team whose harnesses it opens (null: all of yours)")
     public_key: str
     fingerprint: str
     created_at: datetime
@@ -362,21 +363,25 @@ class SshKeyOut(Schema):
 
 
 def _key_out(k: Any) -> SshKeyOut:
-    return SshKeyOut(id=k.id, name=k.name, public_key=k.public_key, fingerprint=k.fingerprint,
-                     created_at=k.created_at, last_used_at=k.last_used_at)  # fmt: skip
+    return SshKeyOut(id=k.id, name=k.name, team=k.team.name if k.team_id else None, public_key=k.public_key,
+                     fingerprint=k.fingerprint, created_at=k.created_at, last_used_at=k.last_used_at)  # fmt: skip
 
 
 @keys_router.get("", response=list[SshKeyOut])
 async def list_keys(request: HttpRequest):
     """Your SSH public keys (the token's user's): they open your teams' harnesses over SSH."""
-    return await blocking(lambda: [_key_out(k) for k in key_svc.ssh_keys_for_user(user=_user(request))])()
+    return await blocking(
+        lambda: [_key_out(k) for k in key_svc.ssh_keys_for_user(user=_user(request)).select_related("team")]
+    )()
 
 
 @keys_router.post("", response={201: SshKeyOut})
 async def add_key(request: HttpRequest, payload: SshKeyIn):
-    """Register a public key for yourself; then `ssh -p <port> <harness>@<host>`."""
+    """Register a public key for yourself; then `ssh -p <port> <harness>@<host>`. A key
+    registered with a token opens only the harnesses of the token's team (keys added on the
+    profile page open all of your teams')."""
     key = await blocking(lambda: key_svc.ssh_key_add(user=_user(request), name=payload.name,
-                                                     public_key=payload.public_key))()  # fmt: skip
+                                                     public_key=payload.public_key, team=_team(request)))()  # fmt: skip
     return 201, _key_out(key)
 
 

@@ -11,7 +11,7 @@ from django.http import HttpRequest, StreamingHttpResponse
 from ninja import Query, Router, Schema
 from pydantic import Field
 
-from runtime.errors import InvalidValue
+from runtime.errors import Forbidden, InvalidValue
 from runtime.models import Exec, Sandbox, SandboxEvent
 from runtime.services import sandboxes as svc
 from runtime.services import volumes as volume_svc
@@ -49,6 +49,13 @@ class PreviewOut(Schema):
 class NetworkIn(Schema):
     egress: Literal["none", "allowlist", "all"] = "none"
     allow: list[str] = Field([], description='for allowlist: "host", "host:port", "1.2.3.4", "10.0.0.0/24"')
+    hangar: bool = Field(False, description="may reach Hangar's API at hangar.internal (harnesses do)")
+
+    def policy(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"egress": self.egress, "allow": self.allow}
+        if self.hangar:
+            out["hangar"] = True
+        return out
 
 
 class SandboxIn(Schema):
@@ -208,6 +215,10 @@ async def create_sandbox(request: HttpRequest, payload: SandboxIn):
     or has failed (the reason is in `status_reason`)."""
 
     def create() -> Sandbox:
+        if set(payload.metadata) & {"harness", "harness_name", "repo_auth"}:
+            raise InvalidValue(
+                "metadata keys harness, harness_name and repo_auth are Hangar's own; use other names"
+            )
         sandbox = svc.sandbox_create(
             team=_team(request), user=request.auth.user, image=payload.image,  # type: ignore[attr-defined]
             runtime=payload.runtime, cpu=payload.cpu, memory_mb=payload.memory_mb,
@@ -216,7 +227,7 @@ async def create_sandbox(request: HttpRequest, payload: SandboxIn):
             ephemeral=payload.ephemeral, on_expire=payload.on_expire, idle_timeout_s=payload.idle_timeout_s,
             pause_mode=payload.pause_mode, secrets=payload.secrets, auto_resume=payload.auto_resume,
             ports=[p if isinstance(p, int) else p.dict() for p in payload.ports],
-            network=payload.network.dict() if payload.network else None,
+            network=payload.network.policy() if payload.network else None,
         )  # fmt: skip
         if payload.wait and sandbox.status not in svc.SETTLED:  # a claimed pool member already runs
             sandbox = svc.sandbox_wait(sandbox=sandbox, timeout=settings.HANGAR_CREATE_WAIT_S)
@@ -370,7 +381,14 @@ async def set_network(request: HttpRequest, sandbox_id: str, payload: NetworkIn)
     with a network, else from its next start."""
 
     def put() -> Sandbox:
-        svc.sandbox_set_network(sandbox=_get(request, sandbox_id), network=payload.dict())
+        sandbox = _get(request, sandbox_id)
+        from runtime.services.harnesses import harness_of_token
+
+        if harness_of_token(request.auth, sandbox):  # type: ignore[arg-type]
+            raise Forbidden(
+                "a harness's own token cannot change its harness's network (ask a member of the team)"
+            )
+        svc.sandbox_set_network(sandbox=sandbox, network=payload.policy())
         return _full.get(id=sandbox_id)
 
     return await blocking(put)()

@@ -20,19 +20,20 @@ import re
 import secrets as pysecrets
 import threading
 import time
+from datetime import timedelta
 from typing import Any
 
 from django.conf import settings
 from django.contrib.auth.models import AbstractBaseUser
 from django.db import IntegrityError, transaction
-from django.db.models import Q, QuerySet
+from django.db.models import Max, Q, QuerySet
 from django.utils import timezone
 
 from .. import presets
 from ..errors import Conflict, InvalidValue, NotFound
 from ..launchers.base import ExecRequest, LauncherError
 from ..models import Harness, HarnessLogEntry, Run, Sandbox, Team, Volume
-from ..node import image_store, launcher_for
+from ..node import launcher_for, local_node_name
 from . import audit, quotas
 from . import auth as auth_svc
 from . import sandboxes as sandbox_svc
@@ -56,6 +57,7 @@ def harnesses_for_team(*, team: Team) -> QuerySet[Harness]:
     return (
         Harness.objects.filter(team=team, deleted_at__isnull=True)
         .select_related("sandbox", "sandbox__node", "volume", "team")
+        .annotate(last_run_at=Max("runs__created_at"))
         .order_by("name")
     )
 
@@ -102,7 +104,10 @@ def ssh_command(h: Harness) -> str:
 def harness_last_activity(h: Harness) -> Any:
     sb = h.sandbox
     times = [t for t in (sb.last_activity_at if sb else None, sb.started_at if sb else None) if t]
-    last_run = h.runs.order_by("-created_at").values_list("created_at", flat=True).first()
+    if hasattr(h, "last_run_at"):  # annotated by harnesses_for_team
+        last_run = h.last_run_at
+    else:
+        last_run = h.runs.order_by("-created_at").values_list("created_at", flat=True).first()
     if last_run:
         times.append(last_run)
     return max(times) if times else h.created_at
@@ -188,8 +193,14 @@ def sealed_env(sandbox: Sandbox) -> dict[str, str]:
     stored in the clear): its API token, and the same as OTLP's authorization header."""
     if not (sandbox.metadata or {}).get("harness"):
         return {}
+    # The metadata is only a hint: the harness must be this team's and this its sandbox.
     ct = (
-        Harness.objects.filter(id=sandbox.metadata["harness"], deleted_at__isnull=True)
+        Harness.objects.filter(
+            id=sandbox.metadata["harness"],
+            team_id=sandbox.team_id,
+            sandbox_id=sandbox.id,
+            deleted_at__isnull=True,
+        )
         .values_list("api_token_ciphertext", flat=True)
         .first()
     )
@@ -313,8 +324,7 @@ def harness_create(
         h.api_token = issued.token
         h.api_token_ciphertext = secret_svc.encrypt(issued.raw)
         h.save(update_fields=["api_token", "api_token_ciphertext"])
-        h.sandbox = _start_sandbox(h, user=user, image_config=image_store().get(image_row.digest).config,
-                                   repo_auth=repo_auth)  # fmt: skip
+        h.sandbox = _start_sandbox(h, user=user, image_config=image_row.config, repo_auth=repo_auth)
         h.save(update_fields=["sandbox"])
     except Exception:
         _undo_create(h, delete_volume=made)
@@ -367,6 +377,12 @@ def harness_setup_enqueue(sandbox: Sandbox) -> None:
     """Called on the node when a harness's sandbox first runs: prepare its workspace."""
     hid = (sandbox.metadata or {}).get("harness")
     if not hid or sandbox.node is None:
+        return
+    # A fresh start: no setup survives one, so a setup marked running was cut short (a worker
+    # restarted): it goes again. Only the harness's own sandbox, of its own team, counts.
+    Harness.objects.filter(id=hid, team_id=sandbox.team_id, sandbox_id=sandbox.id,
+                           setup=Harness.Setup.RUNNING).update(setup=Harness.Setup.PENDING)  # fmt: skip
+    if not Harness.objects.filter(id=hid, team_id=sandbox.team_id).exists():
         return
     from .. import tasks
 
@@ -422,13 +438,18 @@ def harness_setup(*, harness_id: str) -> None:
     the agent's CLI. Its output goes to the harness's log as it comes. Runs once (a harness
     whose setup is done or running is left alone)."""
     if not Harness.objects.filter(id=harness_id, deleted_at__isnull=True, setup=Harness.Setup.PENDING).update(
-        setup=Harness.Setup.RUNNING, setup_error=""
+        setup=Harness.Setup.RUNNING, setup_error="", updated_at=timezone.now()
     ):
         return
-    h = Harness.objects.select_related("sandbox", "team").get(id=harness_id)
+    h = Harness.objects.select_related("sandbox", "sandbox__node", "team").get(id=harness_id)
     sandbox = h.sandbox
     if sandbox is None or sandbox.status != S.RUNNING:
         Harness.objects.filter(id=h.id).update(setup=Harness.Setup.PENDING)
+        return
+    if sandbox.node_id is None or sandbox.node.name != local_node_name():
+        # Asked on the wrong node: the sandbox's own node does it.
+        Harness.objects.filter(id=h.id).update(setup=Harness.Setup.PENDING)
+        harness_setup_enqueue(Sandbox.objects.select_related("node").get(id=sandbox.id))
         return
     p = presets.preset(h.agent)
     script = presets.setup_script(p=p, repo_url=h.repo_url, repo_branch=h.repo_branch, repo_secret=h.repo_secret,
@@ -490,7 +511,16 @@ def _notify(h: Harness) -> None:
 def harness_log(h: Harness, source: str, text: str, run: Run | None = None) -> None:
     if not text:
         return
-    HarnessLogEntry.objects.create(harness_id=h.id, source=source, text=text[-65536:], run=run)
+    entry = HarnessLogEntry.objects.create(harness_id=h.id, source=source, text=text[-65536:], run=run)
+    if entry.id % 200 == 0:  # now and then, the oldest beyond what is kept go
+        HarnessLogEntry.objects.filter(harness_id=h.id, id__lte=entry.id - LOG_KEEP_ENTRIES * 4).delete()
+        keep_from = (
+            HarnessLogEntry.objects.filter(harness_id=h.id)
+            .order_by("-id")
+            .values_list("id", flat=True)[LOG_KEEP_ENTRIES - 1 : LOG_KEEP_ENTRIES]
+        )
+        if keep_from:
+            HarnessLogEntry.objects.filter(harness_id=h.id, id__lt=keep_from[0]).delete()
 
 
 def harness_log_entries(*, harness: Harness, after: int = 0, limit: int = 500) -> list[HarnessLogEntry]:
@@ -536,15 +566,22 @@ def harness_resume(*, harness: Harness, user: Any = None) -> Harness:
     elif sb is not None and sb.status == S.PAUSING:
         raise Conflict(f"harness {harness.name} is pausing; resume it once it is paused", status="pausing")
     else:
-        # Its sandbox failed or was stopped: a new one, over the same workspace.
-        if sb is not None and sb.status != S.DELETED:
-            sandbox_svc.sandbox_delete(sandbox=sb, reason="replaced by a new sandbox for its harness")
-        image_row = sandbox_svc.image_resolve(harness.image)
-        harness.sandbox = _start_sandbox(harness, user=user or harness.created_by,
-                                         image_config=image_store().get(image_row.digest).config,
-                                         repo_auth=_repo_auth(harness))  # fmt: skip
-        harness.setup = Harness.Setup.PENDING
-        harness.save(update_fields=["sandbox", "setup", "updated_at"])
+        # Its sandbox failed or was stopped: a new one, over the same workspace. Under the
+        # harness's row lock, which a delete takes too: never a sandbox for a deleted harness.
+        with transaction.atomic():
+            if (
+                not Harness.objects.select_for_update()
+                .filter(id=harness.id, deleted_at__isnull=True)
+                .exists()
+            ):
+                raise NotFound(f"harness {harness.name} was deleted")
+            if sb is not None and sb.status != S.DELETED:
+                sandbox_svc.sandbox_delete(sandbox=sb, reason="replaced by a new sandbox for its harness")
+            image_row = sandbox_svc.image_resolve(harness.image)
+            harness.sandbox = _start_sandbox(harness, user=user or harness.created_by,
+                                             image_config=image_row.config, repo_auth=_repo_auth(harness))  # fmt: skip
+            harness.setup = Harness.Setup.PENDING
+            harness.save(update_fields=["sandbox", "setup", "updated_at"])
         harness_log(harness, "event", f"starting a new sandbox ({harness.sandbox.id}) over the workspace")
     audit.record("harness.resume", team=harness.team, target=f"{harness.name} ({harness.id})")
     return harness
@@ -562,7 +599,13 @@ def _repo_auth(h: Harness) -> str:
 def harness_ensure_running(*, harness: Harness, timeout: float, user: Any = None) -> Harness:
     """Resume the harness if it is paused and wait (at most ``timeout``) until it runs; the
     SSH gateway and runs use it. Raises :class:`Conflict` if it does not come up in time."""
-    harness = Harness.objects.select_related("sandbox", "sandbox__node", "team").get(id=harness.id)
+    harness = (
+        Harness.objects.select_related("sandbox", "sandbox__node", "team")
+        .filter(id=harness.id, deleted_at__isnull=True)
+        .first()
+    )
+    if harness is None:
+        raise NotFound("the harness was deleted")
     if harness.sandbox is None or harness.sandbox.status != S.RUNNING:
         if harness.sandbox is not None and harness.sandbox.status == S.PAUSING:
             sandbox_svc.sandbox_wait(sandbox=harness.sandbox, timeout=timeout, statuses=(S.PAUSED, S.FAILED))
@@ -593,8 +636,13 @@ def harness_delete(*, harness: Harness, delete_volume: bool = False) -> None:
     is deleted once the sandbox has let go of it). Its API token is revoked; runs still going
     are cancelled."""
     now = timezone.now()
-    if not Harness.objects.filter(id=harness.id, deleted_at__isnull=True).update(deleted_at=now):
-        return
+    with transaction.atomic():  # after any resume that holds the row: its new sandbox is seen below
+        if not Harness.objects.select_for_update().filter(id=harness.id, deleted_at__isnull=True).exists():
+            return
+        Harness.objects.filter(id=harness.id).update(deleted_at=now)
+    harness = Harness.objects.select_related("sandbox", "sandbox__node", "volume", "api_token", "team").get(
+        id=harness.id
+    )
     for run in Run.objects.filter(harness=harness, status__in=Run.ACTIVE):
         Run.objects.filter(id=run.id, status__in=Run.ACTIVE).update(
             status=Run.Status.CANCELLED, error="the harness was deleted", finished_at=now
@@ -627,8 +675,23 @@ def volume_delete_when_free(*, volume_id: str) -> bool:
         return True
     if volume_svc.volume_holders(volume):
         return False
-    volume_svc.volume_delete(volume=volume)
+    try:
+        volume_svc.volume_delete(volume=volume)
+    except Conflict:  # held again meanwhile, or its node busy: the next try
+        return False
     return True
+
+
+def harnesses_setup_sweep() -> int:
+    """A setup marked running for longer than any setup may take was lost with its worker."""
+    stale = timezone.now() - timedelta(seconds=SETUP_TIMEOUT_S + 300)
+    n = 0
+    for h in Harness.objects.filter(
+        setup=Harness.Setup.RUNNING, updated_at__lt=stale, deleted_at__isnull=True
+    ):
+        _setup_failed(h, "the workspace setup was lost (its worker stopped); resume the harness to try again")
+        n += 1
+    return n
 
 
 def harnesses_with_active_runs(sandbox_ids: list[str]) -> set[str]:
@@ -638,6 +701,12 @@ def harnesses_with_active_runs(sandbox_ids: list[str]) -> set[str]:
             "harness__sandbox_id", flat=True
         )
     )
+
+
+def harness_of_token(token: Any, sandbox: Sandbox) -> bool:
+    """Is ``token`` the API token of the harness whose sandbox this is? (An agent must not
+    loosen its own harness's network with the token it was given.)"""
+    return Harness.objects.filter(api_token_id=getattr(token, "id", None), sandbox_id=sandbox.id).exists()
 
 
 def harness_touch(h: Harness) -> None:

@@ -13,6 +13,7 @@ The run's id is in the process's environment (``HANGAR_RUN_ID``, and in
 from __future__ import annotations
 
 import logging
+import re
 import shlex
 from datetime import timedelta
 from typing import Any
@@ -50,6 +51,16 @@ def run_get(*, team: Team, run_id: str) -> Run:
     return row
 
 
+TREE_RE = re.compile(r"[0-9a-f]{40}|[0-9a-f]{64}")
+
+
+def _tree_id(out: bytes) -> str:
+    """A git tree id from the tree script's output ("" for anything else: the workspace is
+    the agent's, so is whatever git it runs)."""
+    text = out.decode("ascii", "replace").strip()
+    return text if TREE_RE.fullmatch(text) else ""
+
+
 def _elide(argv: list[str], prompt: str) -> str:
     return shlex.join(["<prompt>" if a == prompt else a for a in argv])
 
@@ -59,8 +70,8 @@ def run_create(
 ) -> Run:
     if not isinstance(prompt, str) or not prompt.strip():
         raise InvalidValue("prompt must not be empty")
-    if len(prompt) > MAX_PROMPT or "\0" in prompt:
-        raise InvalidValue(f"prompt must be at most {MAX_PROMPT} characters, without NUL bytes")
+    if len(prompt.encode()) > MAX_PROMPT or "\0" in prompt:
+        raise InvalidValue(f"prompt must be at most {MAX_PROMPT} bytes (UTF-8), without NUL bytes")
     limit = settings.HANGAR_RUN_MAX_TIMEOUT_S
     timeout_s = min(3600, limit) if timeout_s is None else timeout_s
     if not 1 <= timeout_s <= limit:
@@ -141,8 +152,10 @@ def _run_start(run_id: str) -> None:
         return
     sandbox = Sandbox.objects.select_related("node").get(id=h.sandbox_id)
     try:
-        tree = sandbox_svc.sandbox_exec(sandbox=sandbox, cmd=presets.TREE_SCRIPT, timeout_s=300)
-        tree_before = tree.result.stdout.decode().strip() if tree.result.exit_code == 0 else ""
+        tree = sandbox_svc.sandbox_exec(
+            sandbox=sandbox, cmd=presets.TREE_SCRIPT, timeout_s=300, keep_output=False
+        )
+        tree_before = _tree_id(tree.result.stdout) if tree.result.exit_code == 0 else ""
     except ServiceError as exc:
         _end(
             run.id,
@@ -199,11 +212,16 @@ def run_finish(*, run_id: str) -> None:
     sandbox = Sandbox.objects.select_related("node").filter(id=run.harness.sandbox_id).first()
     if run.tree_before and sandbox is not None and sandbox.status == Sandbox.Status.RUNNING:
         try:
-            after = sandbox_svc.sandbox_exec(sandbox=sandbox, cmd=presets.TREE_SCRIPT, timeout_s=300)
-            tree_after = after.result.stdout.decode().strip()
+            after = sandbox_svc.sandbox_exec(
+                sandbox=sandbox, cmd=presets.TREE_SCRIPT, timeout_s=300, keep_output=False
+            )
+            tree_after = _tree_id(after.result.stdout)
             if after.result.exit_code == 0 and tree_after:
                 out = sandbox_svc.sandbox_exec(
-                    sandbox=sandbox, cmd=presets.diff_script(run.tree_before, tree_after), timeout_s=300
+                    sandbox=sandbox,
+                    cmd=presets.diff_script(run.tree_before, tree_after),
+                    timeout_s=300,
+                    keep_output=False,
                 )
                 data = out.result.stdout
                 truncated = len(data) > DIFF_MAX_BYTES or out.result.truncated
@@ -260,13 +278,13 @@ def run_cancel(*, run: Run) -> tuple[Run, tuple[str, str] | None]:
 def runs_sweep() -> int:
     """Finish runs whose process ended unseen (a bridge restart, a lost message), and fail
     runs queued for too long (their worker died)."""
-    n = 0
+    n = harness_svc.harnesses_setup_sweep()
     for run_id in (
         Run.objects.filter(status=Run.Status.RUNNING)
         .exclude(exec__status=Exec.Status.RUNNING)
         .values_list("id", flat=True)[:200]
     ):
-        run_finish(run_id=run_id)
+        _enqueue("run_finish", run_id)  # its diff takes commands in the sandbox: not on the reaper
         n += 1
     stale = timezone.now() - timedelta(seconds=settings.HANGAR_HARNESS_RESUME_WAIT_S + 600)
     for run_id in Run.objects.filter(status=Run.Status.QUEUED, created_at__lt=stale).values_list(

@@ -604,8 +604,14 @@ def sandboxes_reap_expired() -> int:
     expired = Sandbox.objects.filter(
         status__in=[S.PENDING, S.STARTING, S.RUNNING, S.FAILED], expires_at__lte=now
     ).select_related("node")
-    for sandbox in expired[:500]:
+    expired = list(expired[:500])
+    from .harnesses import harnesses_with_active_runs
+
+    working = harnesses_with_active_runs([sb.id for sb in expired if sb.on_expire == ON_EXPIRE_PAUSE])
+    for sandbox in expired:
         why = f"its timeout of {sandbox.timeout_s} s was reached"
+        if sandbox.id in working:
+            continue  # a harness with a run going pauses once the run has ended
         if sandbox.on_expire == ON_EXPIRE_PAUSE and sandbox.status == S.RUNNING:
             with contextlib.suppress(Conflict):
                 sandbox_pause(sandbox=sandbox, reason=f"pausing: {why}")
@@ -830,8 +836,11 @@ def sandbox_exec(
     stdin: bytes | None = None,
     timeout_s: float = 60,
     user: AbstractBaseUser | None = None,
+    keep_output: bool = True,
 ) -> ExecOutcome:
-    """Run a command to completion in a running sandbox; a string runs under ``/bin/sh -c``."""
+    """Run a command to completion in a running sandbox; a string runs under ``/bin/sh -c``.
+    ``keep_output=False``: its output is returned but not kept in its history row (Hangar's
+    own commands whose output may hold what a user's files hold: a run's diff)."""
     _require_running(sandbox)
     sandbox_mark_active(sandbox.id, sandbox.last_activity_at)
     argv, env, cwd = exec_validate(cmd=cmd, env=env, cwd=cwd, timeout_s=timeout_s)
@@ -870,6 +879,8 @@ def sandbox_exec(
         raise _runtime_failure(sandbox, exc) from exc
     keep = settings.HANGAR_EXEC_KEEP_OUTPUT_BYTES
     row.exit_code, row.timed_out = result.exit_code, result.timed_out
+    if not keep_output:
+        keep = 0
     row.stdout = _decode_for_storage(result.stdout, keep)
     row.stderr = _decode_for_storage(result.stderr, keep)
     row.stdout_bytes, row.stderr_bytes = len(result.stdout), len(result.stderr)

@@ -10,7 +10,7 @@ from django.db.models import Q, QuerySet
 from django.utils import timezone
 
 from ..errors import Conflict, Forbidden, InvalidValue, NotFound
-from ..models import Harness, Membership, SshKey
+from ..models import Harness, Membership, SshKey, Team
 from . import audit
 from .auth import role_at_least
 
@@ -45,7 +45,9 @@ def ssh_keys_for_user(*, user: AbstractBaseUser) -> QuerySet[SshKey]:
     return SshKey.objects.filter(user=user).order_by("created_at")
 
 
-def ssh_key_add(*, user: AbstractBaseUser, name: str, public_key: str) -> SshKey:
+def ssh_key_add(*, user: AbstractBaseUser, name: str, public_key: str, team: Team | None = None) -> SshKey:
+    """``team``: the key opens only that team's harnesses (keys registered with an API token,
+    which is one team's, are; keys added in the dashboard open all of the user's teams)."""
     line, fingerprint, comment = parse_public_key(public_key)
     name = (name or comment or "key").strip()[:100]
     if SshKey.objects.filter(user=user).count() >= MAX_KEYS_PER_USER:
@@ -53,7 +55,7 @@ def ssh_key_add(*, user: AbstractBaseUser, name: str, public_key: str) -> SshKey
     if SshKey.objects.filter(fingerprint=fingerprint).exists():
         raise Conflict(f"the key {fingerprint} is already registered (a key belongs to one user)")
     try:
-        key = SshKey.objects.create(user=user, name=name, public_key=line, fingerprint=fingerprint)
+        key = SshKey.objects.create(user=user, name=name, public_key=line, fingerprint=fingerprint, team=team)
     except IntegrityError:
         raise Conflict(f"you already have a key named {name!r}, or this key is already registered") from None
     audit.record("ssh_key.add", target=f"{fingerprint} of {user.get_username()}", name=name)
@@ -83,12 +85,20 @@ def ssh_key_user(*, fingerprint: str) -> AbstractBaseUser | None:
     return key.user
 
 
-def harness_for_ssh(*, user: AbstractBaseUser, target: str) -> Harness:
+def harness_for_ssh(*, user: AbstractBaseUser, target: str, fingerprint: str = "") -> Harness:
     """The harness ``target`` (its name, or its id) names among the user's teams. A shell is
     a member's right: viewers are refused. A name held in two of the user's teams is refused
     with the ids to use instead."""
     teams = Membership.objects.filter(user=user).values_list("team_id", "role")
     roles = dict(teams)
+    if fingerprint:
+        only = (
+            SshKey.objects.filter(fingerprint=fingerprint, user=user)
+            .values_list("team_id", flat=True)
+            .first()
+        )
+        if only is not None:  # a key registered with a team's token opens that team's only
+            roles = {k: v for k, v in roles.items() if k == only}
     rows = list(
         Harness.objects.filter(team_id__in=roles.keys(), deleted_at__isnull=True)
         .filter(Q(name=target) | Q(id=target))

@@ -140,7 +140,10 @@ def test_secret_values_appear_nowhere_hangar_writes(api, minimal_image, git_serv
     assert api.post("/secrets", json={"name": "ANTHROPIC_API_KEY", "value": value}).status_code == 201
     assert api.post("/secrets", json={"name": "GIT_TOKEN", "value": token}).status_code == 201
     # An agent that prints its key, its whole environment, and exits non-zero with it.
-    agent = 'echo "key=$ANTHROPIC_API_KEY"; env; echo "$ANTHROPIC_API_KEY" >&2; echo "git=$GIT_TOKEN"; exit 1'
+    agent = (
+        'echo "key=$ANTHROPIC_API_KEY"; env; echo "$ANTHROPIC_API_KEY" >&2; echo "git=$GIT_TOKEN"; '
+        'echo "$ANTHROPIC_API_KEY" > leak.txt; exit 1'
+    )
     h = create(api, name="leaky", command=agent, secrets=["ANTHROPIC_API_KEY"],
                repo={"url": git_server, "secret": "GIT_TOKEN"})  # fmt: skip
     h = wait_status(api, h["id"], "running")
@@ -151,6 +154,8 @@ def test_secret_values_appear_nowhere_hangar_writes(api, minimal_image, git_serv
     with api.stream("GET", f"/runs/{run['id']}/logs") as resp:
         streamed = resp.read().decode()
     assert "key=***" in streamed and "git=***" in streamed, "the agent's output was not masked"
+    # The agent wrote its key into a file: the run's diff shows it masked.
+    assert "+++ b/leak.txt" in run["diff"] and "+***" in run["diff"], run["diff"]
     # The values are in the agent's environment (it could use them)...
     got = sh(api, h["sandbox"], 'printf %s "$ANTHROPIC_API_KEY" | sha256sum')["stdout"]
     assert got.split()[0] == hashlib.sha256(value.encode()).hexdigest()
@@ -158,7 +163,7 @@ def test_secret_values_appear_nowhere_hangar_writes(api, minimal_image, git_serv
     # (The values go in on stdin: a command's arguments are kept in the database.)
     r = api.post(f"/sandboxes/{h['sandbox']}/exec",
                  json={"cmd": "cd /workspace && grep -rlF -f - . ; echo end", "stdin": f"{value}\n{token}\n"})  # fmt: skip
-    assert r.json()["stdout"] == "end\n", r.json()
+    assert r.json()["stdout"] == "./leak.txt\nend\n", r.json()  # only the agent's own doing
     gitconfig = sh(api, h["sandbox"], "cat /workspace/.hangar/home/.gitconfig")["stdout"]
     assert "GIT_TOKEN" in gitconfig and token not in gitconfig
 

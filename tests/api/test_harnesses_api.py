@@ -200,6 +200,9 @@ def test_other_teams_cannot_see_or_touch_a_harness_and_deleting_keeps_the_volume
         r = other_api.request(method, path, json={"prompt": "x"} if path.endswith("/runs") else None)
         assert r.status_code == 404, (method, path, r.status_code)
     assert other_api.get("/harnesses").json() == []
+    # A sandbox cannot pass itself off as a harness's (whose token its environment would get).
+    r = other_api.post("/sandboxes", json={"image": "busybox", "metadata": {"harness": h["id"]}})
+    assert r.status_code == 422 and "Hangar's own" in r.json()["detail"]
     # The same name in another team is fine; twice in one team is not.
     r = api.post("/harnesses", json={"name": "mine", "agent": "custom", "command": "x", "image": "minimal"})
     assert r.status_code == 409
@@ -244,7 +247,8 @@ def test_the_agent_reaches_hangars_api_at_hangar_internal_with_its_token(api, mi
     gateway = env[1]
     script = (
         BASH_HTTP
-        + 'req GET /api/v1/sandboxes ""; echo; req POST /api/v1/sandboxes \'{"image": "busybox", "wait": true}\''
+        + 'req GET /api/v1/sandboxes ""; echo; req POST /api/v1/sandboxes \'{"image": "busybox", "wait": true}\'; '
+        + f'echo; req PUT /api/v1/sandboxes/{h["sandbox"]}/network \'{{"egress": "all"}}\''
     )
     r = api.post(
         f"/sandboxes/{h['sandbox']}/exec", json={"cmd": ["/bin/bash", "-c", script], "timeout_s": 60}
@@ -252,6 +256,7 @@ def test_the_agent_reaches_hangars_api_at_hangar_internal_with_its_token(api, mi
     out = r.json()["stdout"]
     assert "HTTP/1.1 200" in out and h["sandbox"] in out, out
     assert "HTTP/1.1 201" in out, out
+    assert "HTTP/1.1 403" in out and "cannot change its harness's network" in out, out
     made = [s for s in api.get("/sandboxes").json() if s["image"] == "busybox"]
     assert len(made) == 1 and made[0]["status"] == "running", (
         "the agent's sandbox is the team's like any other"
