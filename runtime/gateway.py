@@ -4,8 +4,8 @@ A sandbox whose network says ``"hangar": true`` finds ``hangar.internal`` in its
 pointing at the node's side of its veth; nftables lets it (and no other sandbox) reach this
 port there. The stream bridge listens on the port and forwards each connection, bytes as
 they are, to ``HANGAR_INTERNAL_URL`` (the API and the OTLP endpoint behind it): what the
-sandbox may do there is what its API token allows. Connections from outside the sandboxes'
-address pool are closed at once.
+sandbox may do there is what its API token allows. Connections that do not come from the
+sandboxes' address pool to an address of it (the host side of a veth) are closed at once.
 """
 
 from __future__ import annotations
@@ -45,8 +45,11 @@ class Gateway:
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         peer = writer.get_extra_info("peername") or ("", 0)
+        local = writer.get_extra_info("sockname") or ("", 0)
         try:
-            allowed = ipaddress.ip_address(peer[0]) in self.pool
+            # From a sandbox's address to the node's side of a sandbox's veth: both in the pool
+            # (a connection to the node's own addresses from elsewhere is not for this door).
+            allowed = ipaddress.ip_address(peer[0]) in self.pool and ipaddress.ip_address(local[0]) in self.pool
         except ValueError:
             allowed = False
         if not allowed:
