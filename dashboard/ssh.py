@@ -412,11 +412,11 @@ class Session(asyncssh.SSHServerSession[bytes]):
         env = {k: v for k, v in sent.items() if PASSED_ENV_RE.fullmatch(k) and "\0" not in v}
         try:
             if self.pty:
-                row = await proc_svc.terminal_open(
+                row = await self._started(proc_svc.terminal_open(
                     sandbox=sandbox, name=f"ssh {user.get_username()}"[:64],
                     cmd=["/bin/sh", "-c", self.command] if self.kind == "exec" else None,
                     cwd=WORKSPACE, env={**env, "TERM": self.term}, rows=self.rows, cols=self.cols, user=user,
-                )  # fmt: skip
+                ), sandbox, terminal=True)  # fmt: skip
                 key = streams.terminal_key(row.id)
             else:
                 if self.kind == "sftp":
@@ -425,10 +425,10 @@ class Session(asyncssh.SSHServerSession[bytes]):
                     cmd = ["/bin/sh", "-c", self.command]
                 else:
                     cmd = list(proc_svc.DEFAULT_SHELL)
-                row = await proc_svc.process_start(
+                row = await self._started(proc_svc.process_start(
                     sandbox=sandbox, cmd=cmd, kind="stream", cwd=WORKSPACE, env=env, stdin_open=True,
                     tty=False, user=user,
-                )  # fmt: skip
+                ), sandbox, terminal=False)  # fmt: skip
                 key = streams.exec_key(row.id)
         except ServiceError as exc:
             self._say(f"hangar: {exc.message}")
@@ -438,6 +438,19 @@ class Session(asyncssh.SSHServerSession[bytes]):
         self.target = proc_svc.FollowTarget(node_name=sandbox.node.name, key=key, row_id=row.id)
         log.info("ssh: %s runs %s %s in harness %s", user.get_username(), self.kind, key, harness.id)
         await self._pipe()
+
+    async def _started(self, start: Any, sandbox: Any, *, terminal: bool) -> Any:
+        """The started process's row. Cancelled meanwhile (the gateway stops, the client
+        goes): the start is let finish, and the process is known, so that it is killed."""
+        task = asyncio.ensure_future(start)
+        try:
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            with contextlib.suppress(Exception):
+                row = await asyncio.wait_for(task, 15)
+                key = streams.terminal_key(row.id) if terminal else streams.exec_key(row.id)
+                self.target = proc_svc.FollowTarget(node_name=sandbox.node.name, key=key, row_id=row.id)
+            raise
 
     async def _pipe(self) -> None:
         output = asyncio.ensure_future(self._pump_output())
@@ -577,12 +590,16 @@ async def run_gateway(host: str, port: int, ready: asyncio.Event | None = None) 
         await asyncio.Event().wait()
     finally:
         server.close()
-        # Each session's task kills its process on the way out.
-        tasks = [s.task for s in list(_live_sessions) if s.task is not None]
+        # The sessions' processes first, all at once (a cancelled task's own cleanup could be
+        # cut short), then the sessions' tasks.
+        sessions = list(_live_sessions)
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(asyncio.gather(*(s._kill() for s in sessions), return_exceptions=True), 10)
+        tasks = [s.task for s in sessions if s.task is not None]
         for task in tasks:
             task.cancel()
         if tasks:
-            await asyncio.wait(tasks, timeout=5)
+            await asyncio.wait(tasks, timeout=20)
 
 
 def main(host: str | None = None, port: int | None = None) -> None:
