@@ -49,7 +49,9 @@ class Gateway:
         try:
             # From a sandbox's address to the node's side of a sandbox's veth: both in the pool
             # (a connection to the node's own addresses from elsewhere is not for this door).
-            allowed = ipaddress.ip_address(peer[0]) in self.pool and ipaddress.ip_address(local[0]) in self.pool
+            allowed = (
+                ipaddress.ip_address(peer[0]) in self.pool and ipaddress.ip_address(local[0]) in self.pool
+            )
         except ValueError:
             allowed = False
         if not allowed:

@@ -125,7 +125,9 @@ def test_a_key_registered_with_a_teams_token_opens_only_that_teams_harnesses(cre
     theirs = Harness.objects.create(team=other, name="theirs", agent="custom", image="base")
     keys = []
     for name in ("a", "b"):
-        subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(tmp_path / name)], check=True)
+        subprocess.run(
+            ["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(tmp_path / name)], check=True
+        )
         keys.append((tmp_path / f"{name}.pub").read_text())
     scoped = ssh_key_add(user=user, name="ci", public_key=keys[0], team=crew)  # with crew's token
     anywhere = ssh_key_add(user=user, name="laptop", public_key=keys[1])  # on the profile page

@@ -226,6 +226,8 @@ async def terminal_open(
     """Start a shell (or ``cmd``) on a PTY in the sandbox; it lives until it exits or the
     sandbox stops, whoever is watching."""
     _require_running(sandbox)
+    if cwd is None and (sandbox.metadata or {}).get("harness"):
+        cwd = "/workspace"  # a harness's terminals open in its workspace, wherever they are opened
     argv, env, cwd = exec_validate(cmd=cmd or DEFAULT_SHELL, env=env, cwd=cwd, timeout_s=None)
     _check_size(rows, cols)
     if len(name) > 64:

@@ -257,6 +257,12 @@ def test_the_agent_reaches_hangars_api_at_hangar_internal_with_its_token(api, mi
     assert "HTTP/1.1 200" in out and h["sandbox"] in out, out
     assert "HTTP/1.1 201" in out, out
     assert "HTTP/1.1 403" in out and "cannot change its harness's network" in out, out
+    # A terminal opened on the harness's sandbox, wherever from, starts in /workspace.
+    from runtime.models import Terminal
+
+    t = api.post(f"/sandboxes/{h['sandbox']}/terminals", json={"name": "from-the-api"})
+    assert t.status_code == 201, t.text
+    assert Terminal.objects.get(id=t.json()["id"]).cwd == "/workspace"
     made = [s for s in api.get("/sandboxes").json() if s["image"] == "busybox"]
     assert len(made) == 1 and made[0]["status"] == "running", (
         "the agent's sandbox is the team's like any other"
