@@ -20,6 +20,18 @@ pytestmark = [requires_runsc]
 PROMPT = b"READY$ "
 
 
+@pytest.fixture(autouse=True)
+def fresh_channel_layer():
+    """Each test runs its own event loop (asyncio.run); a server has one for its life. The
+    Channels layer keeps state bound to the loop that used it (a receive still waiting when a
+    test's loop closed holds its lock), so each test gets a layer of its own."""
+    from channels.layers import channel_layers
+
+    channel_layers.backends.clear()
+    yield
+    channel_layers.backends.clear()
+
+
 def communicator(path: str, token: str | None = None, **kw) -> WebsocketCommunicator:
     headers = [(b"authorization", f"Bearer {token}".encode())] if token else []
     headers += kw.pop("headers", [])
