@@ -77,6 +77,68 @@ class Denied(Exception):
         self.status, self.title, self.message = status, title, message
 
 
+# One wake-up per sandbox in this process: however many requests arrive for a paused sandbox
+# (a page and its dozens of assets), one of them resumes it and they all wait on the same task,
+# on the event loop (a Redis notification or a re-read every second), holding no thread.
+_WAKING: dict[str, asyncio.Task[Sandbox]] = {}
+WAKE_POLL_S = 1.0
+
+
+async def _wake(sandbox_id: str) -> Sandbox:
+    """Resume the sandbox if it is paused and wait until it runs (or the wait ends); the fresh
+    row. Requests arriving meanwhile share the first one's task."""
+    loop = asyncio.get_running_loop()
+    task = _WAKING.get(sandbox_id)
+    if task is None or task.done() or task.get_loop() is not loop:
+        task = loop.create_task(_resume_and_wait(sandbox_id))
+        _WAKING[sandbox_id] = task
+
+        def forget(t: asyncio.Task[Sandbox]) -> None:
+            if _WAKING.get(sandbox_id) is t:
+                del _WAKING[sandbox_id]
+            if not t.cancelled():
+                t.exception()  # retrieved: a failure is each waiter's to report
+
+        task.add_done_callback(forget)
+    # Shielded: a client that gives up does not stop the wake-up the others wait for.
+    return await asyncio.shield(task)
+
+
+async def _resume_and_wait(sandbox_id: str) -> Sandbox:
+    from dashboard.live import hub
+    from runtime.notify import sandbox_channel
+    from runtime.services import sandboxes as svc
+
+    def read() -> Sandbox:
+        row = Sandbox.objects.select_related("node", "team").filter(id=sandbox_id).first()
+        if row is None:
+            raise Denied(404, "No such sandbox", f"There is no sandbox {sandbox_id} (or it was deleted).")
+        return row
+
+    def resume(row: Sandbox) -> None:
+        with contextlib.suppress(Conflict):  # another server resumed it first
+            svc.sandbox_resume(sandbox=row)
+
+    channel = sandbox_channel(sandbox_id)
+    queue = await hub.subscribe(channel)  # before the first read: no change is missed
+    try:
+        deadline = time.monotonic() + settings.HANGAR_PREVIEW_RESUME_WAIT_S
+        resumed = False
+        while True:
+            row = await blocking(read)()
+            if row.status == S.PAUSED and not resumed:
+                # A pause still finishing when the request came is let finish, then undone.
+                await blocking(resume)(row)
+                resumed = True
+                continue
+            if row.status not in (S.PAUSING, S.RESUMING, S.PAUSED) or time.monotonic() >= deadline:
+                return row
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(queue.get(), min(WAKE_POLL_S, max(0.0, deadline - time.monotonic())))
+    finally:
+        hub.unsubscribe(channel, queue)
+
+
 class Preview:
     def __init__(self, scope: Scope, receive: Receive, send: Send, port: int, sandbox_id: str) -> None:
         self.scope, self.receive, self.send = scope, receive, send
@@ -190,23 +252,13 @@ class Preview:
                          f"Sandbox {sandbox.id} is {sandbox.status}, so nothing answers on port {self.port}."
                          + (" Resume it to use this preview." if sandbox.status == S.PAUSED else ""))  # fmt: skip
 
-        def resume() -> Sandbox:
-            from runtime.services import sandboxes as svc
-
-            wait = settings.HANGAR_PREVIEW_RESUME_WAIT_S
-            row = Sandbox.objects.select_related("node", "team").get(id=sandbox.id)
-            if row.status == S.PAUSING:  # let the pause finish, then resume
-                row = svc.sandbox_wait(sandbox=row, timeout=wait, statuses=[S.PAUSED, S.FAILED, S.DELETED])
-            if row.status == S.PAUSED:
-                with contextlib.suppress(Conflict):  # another request resumed it first
-                    svc.sandbox_resume(sandbox=row)
-            row = svc.sandbox_wait(sandbox=row, timeout=wait)
-            return Sandbox.objects.select_related("node", "team").get(id=sandbox.id)
-
         try:
-            sandbox = await blocking(resume)()
+            sandbox = await _wake(sandbox.id)
         except ServiceError as exc:  # over quota, say: the page says so
             raise Denied(exc.status_code, "This sandbox could not be resumed", exc.message) from None
+        if sandbox.status in (S.FAILED, S.STOPPING, S.STOPPED, S.DELETED):
+            raise Denied(503, "This sandbox could not be resumed",
+                         f"Sandbox {sandbox.id} is {sandbox.status}: {sandbox.status_reason or 'no reason given'}.")  # fmt: skip
         if sandbox.status != S.RUNNING:
             raise Denied(503, "This sandbox is waking up",
                          f"Sandbox {sandbox.id} did not start within {settings.HANGAR_PREVIEW_RESUME_WAIT_S} s "

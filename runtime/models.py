@@ -187,6 +187,9 @@ class Pool(models.Model):
     runtime = models.CharField(max_length=32, default="gvisor")
     cpu = models.FloatField(default=1.0)
     memory_mb = models.IntegerField(default=512)
+    # Members start with a network of their own and nothing let out; a claim puts the
+    # caller's egress policy in force (creates with a network claim only from such pools).
+    network = models.BooleanField(default=False)
     size = models.IntegerField(default=1)
     last_error = models.TextField(blank=True)
     created_by = models.ForeignKey(settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL)

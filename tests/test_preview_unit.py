@@ -73,3 +73,63 @@ def test_exceptions_never_open_the_pool_of_other_sandboxes(tmp_path):
     assert "10.88.0.0/16" in denied and not any(d == "10.0.0.0/8" for d in denied)
     net = Network(tmp_path, pool="10.88.0.0/16", exceptions=["192.168.5.0/24"], nameservers=["1.1.1.1"])
     assert "192.168.5.0/24" not in net.denied() and "192.168.4.0/24" in net.denied()
+
+
+def test_requests_for_a_paused_sandbox_share_one_wake_up_and_hold_no_threads(transactional_db, monkeypatch):
+    """Forty requests (a page and its assets) for a paused sandbox with auto_resume: one resume,
+    one waiting task on the event loop; not a thread held by each request for the whole wait."""
+    import threading
+
+    from django.db import connection
+
+    from dashboard import preview
+    from runtime import notify
+    from runtime.models import Sandbox, Team
+    from runtime.services import sandboxes as svc
+
+    team = Team.objects.create(name="wake")
+    sb = Sandbox.objects.create(team=team, image="x", image_digest="sha256:x", status="paused", auto_resume=True,
+                                ports=[{"port": 8000, "public": True}])  # fmt: skip
+    resumes: list[str] = []
+
+    def resume(*, sandbox):  # the node's part, simulated: running half a second later
+        resumes.append(sandbox.id)
+        Sandbox.objects.filter(id=sandbox.id).update(status="resuming")
+
+        def later() -> None:
+            import time
+
+            time.sleep(0.5)
+            Sandbox.objects.filter(id=sandbox.id).update(status="running")
+            notify.sandbox_changed(sandbox.id, "running")
+            connection.close()
+
+        threading.Thread(target=later, daemon=True).start()
+        return sandbox
+
+    monkeypatch.setattr(svc, "sandbox_resume", resume)
+    calls = []
+    real_blocking = preview.blocking
+
+    def counting(fn):
+        calls.append(fn)
+        return real_blocking(fn)
+
+    monkeypatch.setattr(preview, "blocking", counting)
+
+    async def many():
+        ps = [make({"Host": f"8000-{sb.id}.localhost"}) for _ in range(40)]
+        return await asyncio.gather(*(p._running(sb) for p in ps))
+
+    rows = asyncio.run(many())
+    assert resumes == [sb.id]
+    assert {r.status for r in rows} == {"running"}
+    # A read, the resume, a read or two after the notification: not one call per request.
+    assert len(calls) <= 6, len(calls)
+
+    # Deleted meanwhile: every waiter is told so (404), nothing raised past the proxy.
+    Sandbox.objects.filter(id=sb.id).update(status="paused")
+    Sandbox.objects.filter(id=sb.id).delete()
+    with pytest.raises(Denied) as exc:
+        asyncio.run(make({})._running(sb))
+    assert exc.value.status == 404

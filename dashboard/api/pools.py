@@ -1,6 +1,7 @@
 """/api/v1/pools: warm pools. A `POST /sandboxes` whose image, runtime, cpu and memory_mb match
 a pool of the team (and that attaches no volumes and is not ephemeral) claims a started member
-at once; the pool refills in the background."""
+at once; the pool refills in the background. A create with a network claims from a pool with
+``network: true`` (members with a namespace of their own; the claim sets the policy)."""
 
 from __future__ import annotations
 
@@ -24,6 +25,11 @@ class PoolIn(Schema):
     cpu: float = 1.0
     memory_mb: int = 512
     size: int = Field(description="how many started, unclaimed sandboxes to keep")
+    network: bool = Field(
+        default=False,
+        description="members start with a network of their own (egress none until claimed); creates that "
+        "ask for a network claim from such pools",
+    )
 
 
 class PoolResizeIn(Schema):
@@ -36,6 +42,7 @@ class PoolOut(Schema):
     runtime: str
     cpu: float
     memory_mb: int
+    network: bool
     size: int
     ready: int = Field(description="members started and waiting to be claimed")
     starting: int
@@ -47,7 +54,7 @@ def _out(pool: Pool) -> PoolOut:
     fill = pool_svc.pool_fill(pool)
     return PoolOut(
         id=pool.id, image=pool.image, runtime=pool.runtime, cpu=pool.cpu, memory_mb=pool.memory_mb,
-        size=pool.size, ready=fill["ready"], starting=fill["starting"], last_error=pool.last_error,
+        network=pool.network, size=pool.size, ready=fill["ready"], starting=fill["starting"], last_error=pool.last_error,
         created_at=pool.created_at,
     )  # fmt: skip
 
@@ -61,7 +68,7 @@ async def create_pool(request: HttpRequest, payload: PoolIn):
     def create() -> PoolOut:
         pool = pool_svc.pool_create(
             team=_team(request), user=request.auth.user, image=payload.image, runtime=payload.runtime,  # type: ignore[attr-defined]
-            cpu=payload.cpu, memory_mb=payload.memory_mb, size=payload.size,
+            cpu=payload.cpu, memory_mb=payload.memory_mb, size=payload.size, network=payload.network,
         )  # fmt: skip
         return _out(pool)
 

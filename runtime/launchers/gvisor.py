@@ -225,7 +225,9 @@ class GVisorLauncher(Launcher):
                 shutil.rmtree(d / saved, ignore_errors=True)
             policy = validate_policy(spec.network)
             lease, names = None, {}
-            if policy.enabled:
+            # A network of its own when its policy lets anything out, or when it is asked for
+            # with egress none (a warm pool's member, whose claim sets the policy).
+            if policy.enabled or spec.network:
                 try:
                     lease, names = self.network.setup(spec.id, policy)
                 except LauncherError:
@@ -280,10 +282,12 @@ class GVisorLauncher(Launcher):
             "cpu": spec.cpu,
         }
 
-    def _release(self, sandbox_id: str, delete: bool = True) -> None:
+    def _release(self, sandbox_id: str, delete: bool = True, keep_lease: bool = False) -> None:
         """Free what create() (or restore()) makes again: the runsc container, the mounts, the
-        cgroup, the handle. Files (upper/) and a checkpoint stay. Lock held. Without
-        ``delete``, runsc's record of a sandbox that has exited is left for later."""
+        cgroup, the handle, the network's namespace and rules. Files (upper/) and a checkpoint
+        stay. Lock held. Without ``delete``, runsc's record of a sandbox that has exited is
+        left for later; with ``keep_lease``, its network addresses stay its own (a checkpoint
+        holds a network stack configured with them)."""
         d = self._dir(sandbox_id)
         if delete and self._has_runtime_state(sandbox_id):
             _run(self._runsc("delete", "--force", sandbox_id), check=False)
@@ -295,7 +299,7 @@ class GVisorLauncher(Launcher):
         (d / "handle.json").unlink(missing_ok=True)
         (d / "quiesced").unlink(missing_ok=True)
         if self.network.lease_of(sandbox_id) is not None:
-            self.network.teardown(sandbox_id)
+            self.network.teardown(sandbox_id, release=not keep_lease)
 
     # -- checkpoint and restore -------------------------------------------------------------
     #
@@ -319,8 +323,6 @@ class GVisorLauncher(Launcher):
                     raise SandboxNotRunning(
                         f"sandbox {sandbox_id} is {status}: there is nothing to checkpoint"
                     )
-                if self.network.lease_of(sandbox_id) is not None:
-                    raise LauncherError("a sandbox with a network cannot be checkpointed yet")
                 marker = d / "quiesced"
                 if not marker.exists():  # else an earlier try of this pause quiesced it already
                     self._quiesce(sandbox_id, marker)
@@ -349,7 +351,7 @@ class GVisorLauncher(Launcher):
             # The sandbox has exited. `runsc delete` waits until its process is reaped, which is
             # up to the host's init (seconds under some): it is done in the background, so the
             # pause does not wait for it (restore deletes it first should it come sooner).
-            self._release(sandbox_id, delete=False)
+            self._release(sandbox_id, delete=False, keep_lease=True)
             threading.Thread(target=self._delete_checkpointed, args=(sandbox_id,), daemon=True).start()
 
     def restore(self, spec: SandboxSpec) -> Handle:
@@ -360,18 +362,28 @@ class GVisorLauncher(Launcher):
             if (d / "handle.json").exists() and self._agent_answers(handle):
                 return handle  # a duplicated or retried task: restored already
             started = released = restored = time.monotonic()
+            lease: Lease | None = None
+            names: dict[str, list[str]] = {}
             try:
                 if self._runtime_status(spec.id) != "running":
                     if not (image / "checkpoint.img").exists():
                         raise LauncherError(f"sandbox {spec.id} has no checkpoint to restore")
-                    self._release(spec.id)
+                    self._release(spec.id, keep_lease=True)
                     self._mount_dirs(d, spec)
+                    if self.network.lease_of(spec.id) is not None:
+                        # It was saved with a network: gVisor's stack comes back configured with
+                        # the addresses it had, so its namespace is made again with the same
+                        # ones (the lease was kept), under the policy in force now.
+                        policy = validate_policy(spec.network)
+                        lease, names = self.network.setup(spec.id, policy)
                     released = time.monotonic()
                     self._start(d, spec.id, "restore", "--detach", "--bundle", str(d / "bundle"),
-                                "--image-path", str(image), spec.id)  # fmt: skip
+                                "--image-path", str(image), spec.id, network=lease is not None)  # fmt: skip
                 # The bundle is the one it was checkpointed with: restore needs the same spec.
                 restored = time.monotonic()
                 self._relisten_and_wait(spec.id, handle, 15.0)
+                if lease is not None:
+                    self._write_resolution(spec.id, policy, names)
             except (LauncherError, agent_client.AgentError) as exc:
                 tail = self._console_tail(d)
                 self._release(spec.id)
@@ -553,8 +565,9 @@ class GVisorLauncher(Launcher):
                 self.network.cleanup(sandbox_id)
                 cleaned.append(sandbox_id)
         for sandbox_id in live:
-            if self.network.lease_of(sandbox_id) is None:
-                continue
+            lease = self.network.lease_of(sandbox_id)
+            if lease is None or not os.path.exists(lease.netns_path):
+                continue  # no network, or paused: its rules are made again when it starts
             # Under the sandbox's lock, with the policy in force on the node (not the database's
             # snapshot): a change applied meanwhile is never undone here.
             with file_lock(self.sandboxes_dir / f".{sandbox_id}.lock"), contextlib.suppress(LauncherError):

@@ -11,7 +11,7 @@ Layout (``nft list table inet hangar``)::
                                      oifname "hg*": established only (nothing connects in)
     chain input     (hook input)    iifname "hg*": established only (the host and its
                                      services, Postgres, Redis, the control plane: never)
-    chain sb_<id>                    established accept; IPv6 drop; always-denied drop;
+    chain sb_<id>                    IPv6 drop; always-denied drop;
                                      then the policy (none: drop; all: accept; allowlist:
                                      the listed addresses and address:port pairs), then drop
 

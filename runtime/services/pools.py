@@ -1,6 +1,10 @@
 """Warm pools: a team keeps ``size`` sandboxes of one spec started and unclaimed, so that a
 create with that spec is answered at once by claiming one.
 
+A pool with ``network`` starts its members with a network namespace of their own and egress
+``none``; a create asking for a network claims from such a pool only, and the claim puts its
+policy in force on the node (one nftables transaction) before the sandbox is handed over.
+
 A pool's members are ordinary sandbox rows with ``pool`` set and ``claimed_at`` empty: they run
 on nodes and count against their capacity, do not expire, and are left out of the team's
 sandbox lists. Claiming one is a conditional update (two creates never get the same member);
@@ -20,7 +24,7 @@ from django.conf import settings
 from django.db import transaction
 from django.utils import timezone
 
-from ..errors import Conflict, InvalidValue, NoCapacity, NotFound, QuotaExceeded
+from ..errors import Conflict, InvalidValue, NoCapacity, NotFound, QuotaExceeded, ServiceError
 from ..lifecycle import record_event
 from ..models import Pool, Sandbox, Team
 from . import audit
@@ -61,25 +65,37 @@ def pool_create(
     cpu: float = 1.0,
     memory_mb: int = 512,
     size: int = 1,
+    network: bool = False,
 ) -> Pool:
-    from .sandboxes import _validate_limits
+    from .sandboxes import _validate_limits, validate_network
 
     _validate_limits(cpu=cpu, memory_mb=memory_mb, timeout_s=60)
+    if not isinstance(network, bool):
+        raise InvalidValue("network is true or false (whether members start with a network of their own)")
+    if network:
+        validate_network({"egress": "all"}, runtime=runtime)  # refused where the runtime has none
     limit = settings.HANGAR_POOL_MAX_SIZE
     if not isinstance(size, int) or not 1 <= size <= limit:
         raise InvalidValue(f"size must be between 1 and {limit}, got {size}")
     image_row = image_resolve(image)
     same = Pool.objects.filter(
-        team=team, image=image_row.name, runtime=runtime, cpu=cpu, memory_mb=memory_mb
+        team=team, image=image_row.name, runtime=runtime, cpu=cpu, memory_mb=memory_mb, network=network
     ).first()
     if same is not None:
         raise Conflict(f"pool {same.id} already keeps this spec warm; change its size instead", pool=same.id)
     pool = Pool.objects.create(
         team=team, image=image_row.name, runtime=runtime, cpu=cpu, memory_mb=memory_mb, size=size,
-        created_by=user if user is not None and getattr(user, "is_authenticated", False) else None,
+        network=network, created_by=user if user is not None and getattr(user, "is_authenticated", False) else None,
     )  # fmt: skip
     audit.record(
-        "pool.create", team=team, target=pool.id, image=pool.image, cpu=cpu, memory_mb=memory_mb, size=size
+        "pool.create",
+        team=team,
+        target=pool.id,
+        image=pool.image,
+        cpu=cpu,
+        memory_mb=memory_mb,
+        size=size,
+        network=network,
     )
     transaction.on_commit(lambda: _enqueue_refill(pool.id))
     return pool
@@ -149,8 +165,13 @@ def pool_claim(
     *, team: Team, image: str, runtime: str, cpu: float, memory_mb: int, claim: dict[str, Any]
 ) -> Sandbox | None:
     """A running member of the team's pool for this spec, now the caller's (``claim`` holds the
-    fields it takes on: env, metadata, timeout_s, created_by, rules); None if there is none."""
-    pool = Pool.objects.filter(team=team, image=image, runtime=runtime, cpu=cpu, memory_mb=memory_mb).first()
+    fields it takes on: env, metadata, timeout_s, created_by, rules, network); None if there is
+    none. With a network in ``claim``, only a pool with networks matches, and the member's
+    policy is put in force before it is returned."""
+    net = claim.get("network") or {}
+    pool = Pool.objects.filter(
+        team=team, image=image, runtime=runtime, cpu=cpu, memory_mb=memory_mb, network=bool(net)
+    ).first()
     if pool is None:
         return None
     now = timezone.now()
@@ -163,6 +184,8 @@ def pool_claim(
                   "last_activity_at": now, "updated_at": now}  # fmt: skip
         if Sandbox.objects.filter(id=member_id, claimed_at__isnull=True, status=S.RUNNING).update(**fields):
             record_event(member_id, "claimed", f"claimed from warm pool {pool.id}", pool=pool.id)
+            if net and not _put_network(member_id, net):
+                continue  # that member could not take the policy (and is gone): the next one
             # Publishing a Celery message costs milliseconds: the caller waiting for its sandbox
             # should not pay for the refill, so it is sent from a thread of its own.
             transaction.on_commit(lambda: threading.Thread(target=_enqueue_refill, args=(pool.id,),
@@ -170,6 +193,28 @@ def pool_claim(
             return Sandbox.objects.select_related("node").get(id=member_id)
     transaction.on_commit(lambda: _enqueue_refill(pool.id))  # empty: it should not be
     return None
+
+
+def _put_network(sandbox_id: str, net: dict[str, Any]) -> bool:
+    """The claimed member's egress policy, in force on its node. A member that cannot take it
+    is deleted (it never ran anything of the caller's) and False returned."""
+    from ..launchers.base import LauncherError
+    from ..lifecycle import transition
+    from .sandboxes import sandbox_delete, sandbox_network_apply
+
+    sandbox = Sandbox.objects.select_related("node", "team").get(id=sandbox_id)
+    try:
+        sandbox_network_apply(sandbox, net)
+        return True
+    except (LauncherError, ServiceError) as exc:
+        log.warning("claimed member %s could not take its network policy: %s", sandbox_id, exc)
+        record_event(sandbox_id, "network", f"the claim's network policy could not be applied: {exc}")
+        transition(
+            sandbox_id, to=S.FAILED, frm=[S.RUNNING], reason=f"its network policy was not applied: {exc}"
+        )
+        sandbox.refresh_from_db()
+        sandbox_delete(sandbox=sandbox, reason="a warm member that could not take its network policy")
+        return False
 
 
 def _enqueue_refill(pool_id: str) -> None:

@@ -111,16 +111,27 @@ def sandbox_set_network(*, sandbox: Sandbox, network: dict[str, Any] | None) -> 
     """Change the sandbox's egress policy: at once if it runs with a network (one nftables
     transaction on its node), else from its next start."""
     net = validate_network(network, runtime=sandbox.runtime)
-    if net and sandbox.pause_mode == PAUSE_MODE_CHECKPOINT:
-        raise InvalidValue(
-            "a sandbox with network egress cannot be checkpointed yet: set its pause_mode to stop first"
-        )
+    if sandbox.network and not net:
+        # It keeps its network, with nothing let out: its namespace stays (a checkpoint holds a
+        # network stack that needs it back, and egress can be opened again while it runs).
+        net = {"egress": "none", "allow": []}
     if sandbox.status == S.DELETED:
         raise Conflict(f"sandbox {sandbox.id} is deleted", status=sandbox.status)
     if sandbox.status in (S.PENDING, S.STARTING, S.RESUMING, S.PAUSING, S.STOPPING):
         # Its node is reading the policy right now: a change could land after and be lost.
         raise Conflict(f"sandbox {sandbox.id} is {sandbox.status}; change its network once it has settled",
                        status=sandbox.status)  # fmt: skip
+    if (
+        sandbox.status == S.PAUSED
+        and sandbox.paused_mode == PAUSE_MODE_CHECKPOINT
+        and not sandbox.network
+        and net
+    ):
+        raise Conflict(
+            f"sandbox {sandbox.id} was checkpointed without a network, and it resumes as it was saved: "
+            "resume it, pause it with mode stop, then set its network (or create it with a network)",
+            status=sandbox.status,
+        )
     if sandbox.status == S.RUNNING:
         if not sandbox.network and net:
             raise Conflict(
@@ -129,18 +140,25 @@ def sandbox_set_network(*, sandbox: Sandbox, network: dict[str, Any] | None) -> 
                 status=sandbox.status,
             )  # fmt: skip
 
-        def apply() -> None:
-            if _is_local(sandbox):
-                launcher_for(sandbox.runtime).set_network(sandbox.id, net)
-            else:
-                _remote(sandbox, "network", {"policy": net}, timeout=30)
-
-        _sandbox_call(sandbox, apply)
+        sandbox_network_apply(sandbox, net)
     Sandbox.objects.filter(id=sandbox.id).update(network=net, updated_at=timezone.now())
     record_event(sandbox.id, "network", f"egress {net.get('egress', 'none')}", **net)
     audit.record("sandbox.network", team=sandbox.team, target=sandbox.id, **net)
     sandbox.network = net
     return sandbox
+
+
+def sandbox_network_apply(sandbox: Sandbox, net: dict[str, Any]) -> None:
+    """Put ``net`` in force for the running sandbox on its node (this one, or another through
+    its queue); raises what the node says."""
+
+    def apply() -> None:
+        if _is_local(sandbox):
+            launcher_for(sandbox.runtime).set_network(sandbox.id, net)
+        else:
+            _remote(sandbox, "network", {"policy": net}, timeout=30)
+
+    _sandbox_call(sandbox, apply)
 
 
 def _validate_env(env: dict[str, str]) -> None:
@@ -186,7 +204,7 @@ def sandbox_create(
             f"idle_timeout_s must be between 10 and {settings.HANGAR_SANDBOX_MAX_TIMEOUT_S}, got {idle_timeout_s}"
         )
     net = validate_network(network, runtime=runtime)
-    _validate_pause_mode(pause_mode, runtime=runtime, ephemeral=ephemeral, network=net)
+    _validate_pause_mode(pause_mode, runtime=runtime, ephemeral=ephemeral)
     secret_names = secret_svc.validate_names(team=team, names=secrets or [], env=env)
     from .previews import validate_ports
 
@@ -195,16 +213,16 @@ def sandbox_create(
     usage_svc.budget_check(team)
     image_row = image_resolve(image)
     mounts = volume_svc.resolve_mounts(team=team, mounts=volumes or [])
-    if not mounts and not ephemeral and not net:
-        # A warm pool of the team keeps this spec started: take one of its members (they run
-        # without a network, so a sandbox that asks for egress starts its own).
+    if not mounts and not ephemeral:
+        # A warm pool of the team keeps this spec started: take one of its members (one with a
+        # network of its own when this asks for egress; the claim sets the policy).
         from .pools import pool_claim
 
         claimed = pool_claim(
             team=team, image=image_row.name, runtime=runtime, cpu=cpu, memory_mb=memory_mb,
             claim={"env": env, "metadata": metadata or {}, "timeout_s": timeout_s, "on_expire": on_expire,
                    "idle_timeout_s": idle_timeout_s, "pause_mode": pause_mode, "secrets": secret_names,
-                   "ports": port_list, "auto_resume": auto_resume,
+                   "ports": port_list, "auto_resume": auto_resume, "network": net,
                    "created_by": user if user is not None and user.is_authenticated else None},
         )  # fmt: skip
         if claimed is not None:
@@ -294,6 +312,7 @@ def sandbox_start_member(*, pool: Any) -> Sandbox:
         sandbox = Sandbox.objects.create(
             team=pool.team, image=image_row.name, image_digest=image_row.digest, runtime=pool.runtime,
             node=node, cpu=pool.cpu, memory_mb=pool.memory_mb, pool=pool, expires_at=None,
+            network={"egress": "none", "allow": []} if pool.network else {},
         )  # fmt: skip
         record_event(sandbox.id, "status", f"warm member of pool {pool.id}, scheduled on node {node.name}",
                      node=node.name, pool=pool.id)  # fmt: skip
@@ -377,16 +396,10 @@ PAUSE_MODE_STOP, PAUSE_MODE_CHECKPOINT = "stop", "checkpoint"
 PAUSE_MODES = (PAUSE_MODE_STOP, PAUSE_MODE_CHECKPOINT)
 
 
-def _validate_pause_mode(
-    mode: str, *, runtime: str, ephemeral: bool, network: dict[str, Any] | None = None
-) -> None:
+def _validate_pause_mode(mode: str, *, runtime: str, ephemeral: bool) -> None:
     if mode not in PAUSE_MODES:
         raise InvalidValue(f"unknown pause mode {mode!r}; one of: {', '.join(PAUSE_MODES)}")
     if mode == PAUSE_MODE_CHECKPOINT:
-        if network:  # any network at all (validated: {} when it has none)
-            raise InvalidValue(
-                "a sandbox with network egress cannot be checkpointed yet: pause it with mode stop"
-            )
         if ephemeral:
             raise InvalidValue("an ephemeral sandbox keeps nothing outside its volumes when paused, "
                                "so it cannot be checkpointed: pause it with mode stop")  # fmt: skip
@@ -420,7 +433,7 @@ def sandbox_pause(*, sandbox: Sandbox, mode: str | None = None, reason: str = ""
     ephemeral). ``checkpoint``: gVisor saves the whole sandbox, processes and memory included,
     and resume continues them. ``mode`` defaults to the sandbox's ``pause_mode``."""
     mode = mode or sandbox.pause_mode or PAUSE_MODE_STOP
-    _validate_pause_mode(mode, runtime=sandbox.runtime, ephemeral=sandbox.ephemeral, network=sandbox.network)
+    _validate_pause_mode(mode, runtime=sandbox.runtime, ephemeral=sandbox.ephemeral)
     if sandbox.status != S.RUNNING:
         raise Conflict(f"sandbox {sandbox.id} is {sandbox.status}; only a running sandbox can be paused",
                        status=sandbox.status)  # fmt: skip
@@ -697,8 +710,10 @@ def node_reconcile(*, node_name: str) -> dict[str, list[str]]:
                 launcher.destroy_id(row.id)
         # Namespaces, veths, rules and leases that no live sandbox owns go; allowlisted names
         # are re-resolved (and the rules follow them).
+        # A sandbox paused in a checkpoint keeps its addresses (its saved network stack has them).
         holding = Sandbox.objects.filter(node=node, runtime=runtime,
-                                         status__in=[S.STARTING, S.RUNNING, S.PAUSING, S.RESUMING, S.STOPPING])  # fmt: skip
+                                         status__in=[S.STARTING, S.RUNNING, S.PAUSING, S.RESUMING, S.STOPPING,
+                                                     S.PAUSED])  # fmt: skip
         report["networks_removed"] += launcher.network_reconcile(dict(holding.values_list("id", "network")))
     return report
 

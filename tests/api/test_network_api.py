@@ -58,10 +58,12 @@ def test_network_input_and_impossible_changes_are_refused_with_reasons(api, worl
     for network, words in bad:
         r = api.post("/sandboxes", json={"image": "busybox", "network": network, "wait": False})
         assert r.status_code == 422 and words in r.json()["detail"], (network, r.text)
-    r = api.post(
-        "/sandboxes", json={"image": "busybox", "network": {"egress": "all"}, "pause_mode": "checkpoint"}
-    )
-    assert r.status_code == 422 and "cannot be checkpointed" in r.json()["detail"]
+    # Checkpointed without a network, it resumes as it was saved: no network can be added then.
+    sb = create(api, memory_mb=256, pause_mode="checkpoint")
+    assert api.post(f"/sandboxes/{sb['id']}/pause", json={}).json()["paused_mode"] == "checkpoint"
+    r = api.put(f"/sandboxes/{sb['id']}/network", json={"egress": "all"})
+    assert r.status_code == 409 and "checkpointed without a network" in r.json()["detail"], r.text
+    api.delete(f"/sandboxes/{sb['id']}")
     # Started without a network: one cannot be added while it runs, but after a pause it can.
     sb = create(api, memory_mb=256)
     r = api.put(f"/sandboxes/{sb['id']}/network", json={"egress": "all"})
@@ -70,3 +72,50 @@ def test_network_input_and_impossible_changes_are_refused_with_reasons(api, worl
     assert api.put(f"/sandboxes/{sb['id']}/network", json={"egress": "all"}).status_code == 200
     api.post(f"/sandboxes/{sb['id']}/resume", json={})
     assert fetch(api, sb["id"], f"http://{WORLD_A}:8080/") == "server-a\n"
+
+
+def test_a_sandbox_with_a_network_is_checkpointed_and_restored_with_it(api, world):
+    """Its processes and gVisor's network stack are saved; while paused it holds no namespace
+    (only its addresses); restored, the policy in force then applies (changed while paused)."""
+    import subprocess
+
+    sb = create(api, memory_mb=256, pause_mode="checkpoint",
+                network={"egress": "allowlist", "allow": [f"{WORLD_A}:8080"]})  # fmt: skip
+    sid = sb["id"]
+    counter = api.post(f"/sandboxes/{sid}/exec", json={
+        "cmd": "i=0; while :; do i=$((i+1)); echo $i > /tmp/c.new; mv /tmp/c.new /tmp/count; sleep 0.05; done",
+        "background": True}).json()  # fmt: skip
+    assert fetch(api, sid, f"http://{WORLD_A}:8080/") == "server-a\n"
+    r = api.post(f"/sandboxes/{sid}/pause", json={})
+    assert r.json()["status"] == "paused" and r.json()["paused_mode"] == "checkpoint", r.json()[
+        "status_reason"
+    ]
+    before = api.get(f"/sandboxes/{sid}").json()
+    netns = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert f"hangar-{sid}" not in netns  # nothing of it runs while paused
+    # The node's reconciliation leaves a paused sandbox's addresses alone: it needs them back.
+    from django.conf import settings
+
+    from runtime.services.sandboxes import node_reconcile
+
+    assert sid not in node_reconcile(node_name=settings.HANGAR_NODE_NAME)["networks_removed"]
+    r = api.put(f"/sandboxes/{sid}/network", json={"egress": "allowlist", "allow": [f"{WORLD_B}:8080"]})
+    assert r.status_code == 200, r.text
+    r = api.post(f"/sandboxes/{sid}/resume", json={})
+    assert r.status_code == 200 and r.json()["status"] == "running", r.text
+    assert r.json()["paused_mode"] == "", before
+    messages = [e["message"] for e in api.get(f"/sandboxes/{sid}/events").json()]
+    assert any("resumed from its checkpoint" in m for m in messages), messages
+    assert api.get(f"/sandboxes/{sid}/processes/{counter['id']}").json()["status"] == "running"
+    assert fetch(api, sid, f"http://{WORLD_B}:8080/") == "server-b\n"
+    assert fetch(api, sid, f"http://{WORLD_A}:8080/") is None
+    # Gone with it: namespace, rules and addresses.
+    assert api.delete(f"/sandboxes/{sid}").status_code in (200, 202, 204)
+    from tests.support import wait_until
+
+    wait_until(lambda: api.get(f"/sandboxes/{sid}").json()["status"] == "deleted", 30, what="delete")
+    from runtime.node import launcher_for
+
+    assert launcher_for("gvisor").network.lease_of(sid) is None
+    assert f"sb_{sid}" not in subprocess.run(["nft", "list", "table", "inet", "hangar"], capture_output=True,
+                                             text=True).stdout  # fmt: skip

@@ -76,3 +76,49 @@ def test_pool_input_errors_are_explained(api, pool):
     assert r.status_code == 400 and "unknown image" in r.json()["detail"]
     r = api.patch(f"/pools/{pool['id']}", json={"size": 1})
     assert r.status_code == 200 and r.json()["size"] == 1
+
+
+def test_a_pool_with_networks_serves_creates_that_ask_for_egress(api, world):
+    """Members start with a namespace of their own and nothing let out; a create with a network
+    claims one and its policy is in force when the create answers. A create without a network
+    does not take such a member (nor the reverse)."""
+    import subprocess
+
+    from tests.api.test_network_api import fetch
+    from tests.support import WORLD_A, WORLD_B
+
+    r = api.post("/pools", json={"image": "busybox", "memory_mb": 256, "size": 1, "network": True})
+    assert r.status_code == 201 and r.json()["network"] is True, r.text
+    pool_id = r.json()["id"]
+    try:
+        wait_until(lambda: ready(api, pool_id) == 1, 60, what="the pool to fill")
+        member = Sandbox.objects.get(pool_id=pool_id, claimed_at__isnull=True)
+        # Started with a network, nothing let out yet.
+        assert f"hangar-{member.id}" in subprocess.run(["ip", "netns", "list"], capture_output=True,
+                                                       text=True).stdout  # fmt: skip
+        plain = create(api, memory_mb=256)
+        assert plain["pool"] is None  # no network asked for: not this pool's
+
+        sb = create(api, memory_mb=256, network={"egress": "allowlist", "allow": [f"{WORLD_A}:8080"]})
+        assert sb["pool"] == pool_id and sb["id"] == member.id
+        assert sb["network"] == {"egress": "allowlist", "allow": [f"{WORLD_A}:8080"]}
+        assert fetch(api, sb["id"], f"http://{WORLD_A}:8080/") == "server-a\n"
+        assert fetch(api, sb["id"], f"http://{WORLD_B}:8080/") is None
+        # Its policy changes like any sandbox's.
+        assert api.put(f"/sandboxes/{sb['id']}/network", json={"egress": "all"}).status_code == 200
+        assert fetch(api, sb["id"], f"http://{WORLD_B}:8080/") == "server-b\n"
+
+        # The refill's member takes the next create with a network; "all" this time.
+        wait_until(lambda: ready(api, pool_id) == 1, 60, what="the refill")
+        second = create(api, memory_mb=256, network={"egress": "all"})
+        assert second["pool"] == pool_id
+        assert fetch(api, second["id"], f"http://{WORLD_B}:8080/") == "server-b\n"
+        # One pool per spec: another with networks for it is a conflict.
+        r = api.post("/pools", json={"image": "busybox", "memory_mb": 256, "size": 1, "network": True})
+        assert r.status_code == 409
+    finally:
+        api.delete(f"/pools/{pool_id}")
+        wait_until(
+            lambda: not Sandbox.objects.filter(status__in=["pending", "starting", "stopping"]).exists(), 60,
+            what="the pool's members to settle",
+        )  # fmt: skip
