@@ -166,8 +166,8 @@ def pool_claim(
 ) -> Sandbox | None:
     """A running member of the team's pool for this spec, now the caller's (``claim`` holds the
     fields it takes on: env, metadata, timeout_s, created_by, rules, network); None if there is
-    none. With a network in ``claim``, only a pool with networks matches, and the member's
-    policy is put in force before it is returned."""
+    none. With a network in ``claim``, only a pool with networks matches; the caller puts the
+    policy in force (:func:`claim_network`) once the claim is committed."""
     net = claim.get("network") or {}
     pool = Pool.objects.filter(
         team=team, image=image, runtime=runtime, cpu=cpu, memory_mb=memory_mb, network=bool(net)
@@ -184,8 +184,6 @@ def pool_claim(
                   "last_activity_at": now, "updated_at": now}  # fmt: skip
         if Sandbox.objects.filter(id=member_id, claimed_at__isnull=True, status=S.RUNNING).update(**fields):
             record_event(member_id, "claimed", f"claimed from warm pool {pool.id}", pool=pool.id)
-            if net and not _put_network(member_id, net):
-                continue  # that member could not take the policy (and is gone): the next one
             # Publishing a Celery message costs milliseconds: the caller waiting for its sandbox
             # should not pay for the refill, so it is sent from a thread of its own.
             transaction.on_commit(lambda: threading.Thread(target=_enqueue_refill, args=(pool.id,),
@@ -195,7 +193,7 @@ def pool_claim(
     return None
 
 
-def _put_network(sandbox_id: str, net: dict[str, Any]) -> bool:
+def claim_network(sandbox_id: str, net: dict[str, Any]) -> bool:
     """The claimed member's egress policy, in force on its node. A member that cannot take it
     is deleted (it never ran anything of the caller's) and False returned."""
     from ..launchers.base import LauncherError

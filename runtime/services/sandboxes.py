@@ -216,18 +216,22 @@ def sandbox_create(
     if not mounts and not ephemeral:
         # A warm pool of the team keeps this spec started: take one of its members (one with a
         # network of its own when this asks for egress; the claim sets the policy).
-        from .pools import pool_claim
+        from .pools import claim_network, pool_claim
 
-        claimed = pool_claim(
-            team=team, image=image_row.name, runtime=runtime, cpu=cpu, memory_mb=memory_mb,
-            claim={"env": env, "metadata": metadata or {}, "timeout_s": timeout_s, "on_expire": on_expire,
-                   "idle_timeout_s": idle_timeout_s, "pause_mode": pause_mode, "secrets": secret_names,
-                   "ports": port_list, "auto_resume": auto_resume, "network": net,
-                   "created_by": user if user is not None and user.is_authenticated else None},
-        )  # fmt: skip
-        if claimed is not None:
-            audit.record("sandbox.create", team=team, target=claimed.id, image=image_row.name, cpu=cpu,
-                         memory_mb=memory_mb, pool=claimed.pool_id, secrets=secret_names)  # fmt: skip
+        # The claim, its event and its audit record: one transaction, one commit.
+        with transaction.atomic():
+            claimed = pool_claim(
+                team=team, image=image_row.name, runtime=runtime, cpu=cpu, memory_mb=memory_mb,
+                claim={"env": env, "metadata": metadata or {}, "timeout_s": timeout_s, "on_expire": on_expire,
+                       "idle_timeout_s": idle_timeout_s, "pause_mode": pause_mode, "secrets": secret_names,
+                       "ports": port_list, "auto_resume": auto_resume, "network": net,
+                       "created_by": user if user is not None and user.is_authenticated else None},
+            )  # fmt: skip
+            if claimed is not None:
+                audit.record("sandbox.create", team=team, target=claimed.id, image=image_row.name, cpu=cpu,
+                             memory_mb=memory_mb, pool=claimed.pool_id, secrets=secret_names)  # fmt: skip
+        # A member that cannot take the network policy is gone: a sandbox of its own, then.
+        if claimed is not None and (not net or claim_network(claimed.id, net)):
             return claimed
     now = timezone.now()
     with transaction.atomic():

@@ -122,3 +122,32 @@ def test_a_pool_with_networks_serves_creates_that_ask_for_egress(api, world):
             lambda: not Sandbox.objects.filter(status__in=["pending", "starting", "stopping"]).exists(), 60,
             what="the pool's members to settle",
         )  # fmt: skip
+
+
+def test_a_member_that_cannot_take_the_network_policy_is_dropped_and_the_create_starts_its_own(
+    celery_worker, local_node, monkeypatch
+):
+    from runtime.launchers.base import LauncherError
+    from runtime.models import Pool, SandboxEvent, Team
+    from runtime.services import sandboxes as svc
+
+    team = Team.objects.create(name="netpool")
+    pool = Pool.objects.create(team=team, image="busybox", memory_mb=256, size=1, network=True)
+    member = Sandbox.objects.create(team=team, image="busybox", image_digest="sha256:x", status="running",
+                                    pool=pool, node=local_node, memory_mb=256, expires_at=None,
+                                    network={"egress": "none", "allow": []})  # fmt: skip
+
+    def refuse(sandbox, net):
+        raise LauncherError("nft: no such chain (simulated)")
+
+    monkeypatch.setattr(svc, "sandbox_network_apply", refuse)
+    sb = svc.sandbox_create(team=team, user=None, image="busybox", memory_mb=256, network={"egress": "all"})
+    assert sb.id != member.id and sb.pool_id is None and sb.network == {"egress": "all", "allow": []}
+    member.refresh_from_db()
+    assert member.status in ("stopping", "deleted")
+    assert "network policy" in member.status_reason
+    assert SandboxEvent.objects.filter(
+        sandbox_id=member.id, message__contains="could not be applied"
+    ).exists()
+    sb = svc.sandbox_wait(sandbox=sb, timeout=60)
+    assert sb.status == "running", sb.status_reason
