@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -162,12 +163,20 @@ def pools_refill_all() -> int:
 
 
 def pool_claim(
-    *, team: Team, image: str, runtime: str, cpu: float, memory_mb: int, claim: dict[str, Any]
+    *,
+    team: Team,
+    image: str,
+    runtime: str,
+    cpu: float,
+    memory_mb: int,
+    claim: dict[str, Any],
+    on_claim: Callable[[str, str], None] | None = None,
 ) -> Sandbox | None:
     """A running member of the team's pool for this spec, now the caller's (``claim`` holds the
     fields it takes on: env, metadata, timeout_s, created_by, rules, network); None if there is
     none. With a network in ``claim``, only a pool with networks matches; the caller puts the
-    policy in force (:func:`claim_network`) once the claim is committed."""
+    policy in force (:func:`claim_network`) once the claim is committed. The claim, its event
+    and ``on_claim(member_id, pool_id)`` (the caller's audit record) commit together."""
     net = claim.get("network") or {}
     pool = Pool.objects.filter(
         team=team, image=image, runtime=runtime, cpu=cpu, memory_mb=memory_mb, network=bool(net)
@@ -182,8 +191,14 @@ def pool_claim(
     ):
         fields = {**claim, "claimed_at": now, "expires_at": now + timedelta(seconds=claim["timeout_s"]),
                   "last_activity_at": now, "updated_at": now}  # fmt: skip
-        if Sandbox.objects.filter(id=member_id, claimed_at__isnull=True, status=S.RUNNING).update(**fields):
+        with transaction.atomic():
+            if not Sandbox.objects.filter(id=member_id, claimed_at__isnull=True, status=S.RUNNING).update(
+                **fields
+            ):
+                continue  # another create took it first
             record_event(member_id, "claimed", f"claimed from warm pool {pool.id}", pool=pool.id)
+            if on_claim is not None:
+                on_claim(member_id, pool.id)
             # Publishing a Celery message costs milliseconds: the caller waiting for its sandbox
             # should not pay for the refill, so it is sent from a thread of its own.
             transaction.on_commit(lambda: threading.Thread(target=_enqueue_refill, args=(pool.id,),

@@ -14,12 +14,13 @@ first to commit and then counts its row.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
 from django.conf import settings
 from django.db import transaction
-from django.db.models import Sum
+from django.db.models import Count, Sum
 
 from ..errors import Forbidden, InvalidValue, QuotaExceeded
 from ..models import Harness, Sandbox, SiteDefaults, Team, TeamPolicy, Volume
@@ -93,10 +94,15 @@ def _policy(team: Team) -> TeamPolicy:
     return policy
 
 
-def effective(team: Team) -> dict[str, dict[str, float | int]]:
-    """``{key: {"limit", "ceiling"}}`` for the team."""
+_UNREAD: Any = object()
+
+
+def effective(team: Team, policy: TeamPolicy | None = _UNREAD) -> dict[str, dict[str, float | int]]:
+    """``{key: {"limit", "ceiling"}}`` for the team (``policy``: its TeamPolicy row, or None
+    when it has none, if the caller read it already)."""
     defaults = site_defaults()
-    policy = TeamPolicy.objects.filter(team=team).first()
+    if policy is _UNREAD:
+        policy = TeamPolicy.objects.filter(team=team).first()
     ceilings = policy.ceilings if policy else {}
     limits = policy.limits if policy else {}
     out = {}
@@ -106,21 +112,24 @@ def effective(team: Team) -> dict[str, dict[str, float | int]]:
     return out
 
 
-def usage(team: Team) -> dict[str, float | int | None]:
-    """What the team holds now, per quota (None: a bound, not an amount)."""
-    held = Sandbox.objects.filter(team=team, status__in=HOLDING).aggregate(
-        vcpu=Sum("cpu"), memory_mb=Sum("memory_mb")
-    )
-    return {
-        "sandboxes": Sandbox.objects.filter(team=team, status__in=HOLDING).count(),
-        "vcpu": float(held["vcpu"] or 0),
-        "memory_mb": int(held["memory_mb"] or 0),
-        "storage_mb": int(Volume.objects.filter(team=team).aggregate(s=Sum("size_mb"))["s"] or 0),
-        "lifetime_s": None,
-        "harnesses": Harness.objects.filter(team=team, deleted_at__isnull=True).count(),
-        # No GPU sandboxes exist yet: nothing is held against this one.
-        "gpus": 0,
-    }
+def usage(team: Team, keys: Iterable[str] | None = None) -> dict[str, float | int | None]:
+    """What the team holds now, per quota (None: a bound, not an amount); with ``keys``, only
+    those are counted (the others are 0: a create does not pay for counting volumes)."""
+    want = set(keys) if keys is not None else set(QUOTAS)
+    out: dict[str, float | int | None] = {key: 0 for key in QUOTAS}
+    out["lifetime_s"] = None
+    if want & {"sandboxes", "vcpu", "memory_mb"}:
+        # One pass over the team's held sandboxes for all three.
+        held = Sandbox.objects.filter(team=team, status__in=HOLDING).aggregate(
+            n=Count("id"), vcpu=Sum("cpu"), memory_mb=Sum("memory_mb")
+        )
+        out.update(sandboxes=held["n"], vcpu=float(held["vcpu"] or 0), memory_mb=int(held["memory_mb"] or 0))
+    if "storage_mb" in want:
+        out["storage_mb"] = int(Volume.objects.filter(team=team).aggregate(s=Sum("size_mb"))["s"] or 0)
+    if "harnesses" in want:
+        out["harnesses"] = Harness.objects.filter(team=team, deleted_at__isnull=True).count()
+    # No GPU sandboxes exist yet: nothing is held against "gpus".
+    return out
 
 
 def report(team: Team) -> dict[str, dict[str, Any]]:
@@ -146,10 +155,12 @@ def check(
     storage_mb: int = 0,
     lifetime_s: int | None = None,
     harnesses: int = 0,
+    eff: dict[str, dict[str, float | int]] | None = None,
 ) -> None:
     """Raise :class:`QuotaExceeded` if adding this much would put the team over a limit.
-    Call inside the transaction that adds it, after :func:`lock_team`."""
-    eff = effective(team)
+    Call inside the transaction that adds it, after :func:`lock_team`. ``eff``: the team's
+    :func:`effective` limits when the caller has them already."""
+    eff = eff if eff is not None else effective(team)
     if lifetime_s is not None and lifetime_s > eff["lifetime_s"]["limit"]:
         limit = eff["lifetime_s"]["limit"]
         raise QuotaExceeded(
@@ -162,7 +173,7 @@ def check(
         return
     if not transaction.get_connection().in_atomic_block:
         raise RuntimeError("quota checks must run inside the transaction that adds the rows")
-    used = usage(team)
+    used = usage(team, [k for k, v in wanted.items() if v])
     for key, amount in wanted.items():
         if not amount:
             continue

@@ -33,7 +33,7 @@ from ..launchers.base import (
 from ..launchers.images import ImageError
 from ..launchers.volumes import VolumeError
 from ..lifecycle import record_event, transition
-from ..models import Exec, Sandbox, Team
+from ..models import Exec, Sandbox, Team, TeamPolicy
 from ..node import image_store, launcher_for, local_node_name
 from ..notify import wait_for_status
 from . import audit, quotas
@@ -209,8 +209,11 @@ def sandbox_create(
     from .previews import validate_ports
 
     port_list = validate_ports(ports or [])
-    quotas.check(team, lifetime_s=timeout_s)
-    usage_svc.budget_check(team)
+    # The team's policy row once, for its limits and its budget.
+    policy = TeamPolicy.objects.filter(team=team).first()
+    eff = quotas.effective(team, policy)
+    quotas.check(team, lifetime_s=timeout_s, eff=eff)
+    usage_svc.budget_check(team, policy)
     image_row = image_resolve(image)
     mounts = volume_svc.resolve_mounts(team=team, mounts=volumes or [])
     if not mounts and not ephemeral:
@@ -218,25 +221,25 @@ def sandbox_create(
         # network of its own when this asks for egress; the claim sets the policy).
         from .pools import claim_network, pool_claim
 
-        # The claim, its event and its audit record: one transaction, one commit.
-        with transaction.atomic():
-            claimed = pool_claim(
-                team=team, image=image_row.name, runtime=runtime, cpu=cpu, memory_mb=memory_mb,
-                claim={"env": env, "metadata": metadata or {}, "timeout_s": timeout_s, "on_expire": on_expire,
-                       "idle_timeout_s": idle_timeout_s, "pause_mode": pause_mode, "secrets": secret_names,
-                       "ports": port_list, "auto_resume": auto_resume, "network": net,
-                       "created_by": user if user is not None and user.is_authenticated else None},
-            )  # fmt: skip
-            if claimed is not None:
-                audit.record("sandbox.create", team=team, target=claimed.id, image=image_row.name, cpu=cpu,
-                             memory_mb=memory_mb, pool=claimed.pool_id, secrets=secret_names)  # fmt: skip
+        def claimed_now(member_id: str, pool_id: str) -> None:  # in the claim's transaction
+            audit.record("sandbox.create", team=team, target=member_id, image=image_row.name, cpu=cpu,
+                         memory_mb=memory_mb, pool=pool_id, secrets=secret_names)  # fmt: skip
+
+        claimed = pool_claim(
+            team=team, image=image_row.name, runtime=runtime, cpu=cpu, memory_mb=memory_mb,
+            claim={"env": env, "metadata": metadata or {}, "timeout_s": timeout_s, "on_expire": on_expire,
+                   "idle_timeout_s": idle_timeout_s, "pause_mode": pause_mode, "secrets": secret_names,
+                   "ports": port_list, "auto_resume": auto_resume, "network": net,
+                   "created_by": user if user is not None and user.is_authenticated else None},
+            on_claim=claimed_now,
+        )  # fmt: skip
         # A member that cannot take the network policy is gone: a sandbox of its own, then.
         if claimed is not None and (not net or claim_network(claimed.id, net)):
             return claimed
     now = timezone.now()
     with transaction.atomic():
         quotas.lock_team(team)
-        quotas.check(team, sandboxes=1, vcpu=cpu, memory_mb=memory_mb)
+        quotas.check(team, sandboxes=1, vcpu=cpu, memory_mb=memory_mb, eff=eff)
         node = node_pick(
             runtime=runtime, cpu=cpu, memory_mb=memory_mb, image=image_row,
             node_id=volume_svc.volume_node_id(mounts),

@@ -233,9 +233,11 @@ def budget_of(team: Team) -> Budget:
                   spent=month_cost(team) if amount else 0.0, currency=settings.HANGAR_CURRENCY)  # fmt: skip
 
 
-def budget_check(team: Team) -> None:
-    """Refuse a new sandbox when the team spent its month's budget and enforcement is on."""
-    policy = TeamPolicy.objects.filter(team=team).only("budget", "budget_enforced").first()
+def budget_check(team: Team, policy: TeamPolicy | None | bool = False) -> None:
+    """Refuse a new sandbox when the team spent its month's budget and enforcement is on
+    (``policy``: the team's TeamPolicy row or None, if the caller read it already)."""
+    if policy is False:
+        policy = TeamPolicy.objects.filter(team=team).only("budget", "budget_enforced").first()
     if policy is None or not policy.budget_enforced or not policy.budget:
         return
     spent = month_cost(team)
