@@ -318,7 +318,7 @@ class GVisorLauncher(Launcher):
             image = d / "checkpoint"
             if not (image / "checkpoint.img").exists():
                 started = time.monotonic()
-                status = self._runtime_status(sandbox_id)
+                status, pid = self._runtime_state(sandbox_id)
                 if status != "running":
                     raise SandboxNotRunning(
                         f"sandbox {sandbox_id} is {status}: there is nothing to checkpoint"
@@ -345,9 +345,16 @@ class GVisorLauncher(Launcher):
                         self._relisten(sandbox_id)
                     first = (proc.stderr.strip().splitlines() or ["(no message)"])[0]
                     raise LauncherError(f"runsc checkpoint failed: {first[:300]}")
+                checkpointed = time.monotonic()
+                # Newer runsc (2024) may return before the sandbox's process has exited, and says
+                # "running" until it has: a restore that came that soon would skip `runsc restore`
+                # and wait for an agent that is not there. The pause ends once it has exited.
+                if not _wait_exited(pid, 30.0):
+                    _run(self._runsc("kill", sandbox_id, "KILL"), check=False)  # it is saved
                 partial.rename(image)
-                log.info("checkpoint of %s: quiesce %.3f s, runsc checkpoint %.3f s, %d MB saved", sandbox_id,
-                         quiesced - started, time.monotonic() - quiesced, _tree_mb(image))  # fmt: skip
+                log.info("checkpoint of %s: quiesce %.3f s, runsc checkpoint %.3f s, exit %.3f s, %d MB saved",
+                         sandbox_id, quiesced - started, checkpointed - quiesced, time.monotonic() - checkpointed,
+                         _tree_mb(image))  # fmt: skip
             # The sandbox has exited. `runsc delete` waits until its process is reaped, which is
             # up to the host's init (seconds under some): it is done in the background, so the
             # pause does not wait for it (restore deletes it first should it come sooner).
@@ -596,13 +603,26 @@ class GVisorLauncher(Launcher):
             return False
 
     def _runtime_status(self, sandbox_id: str) -> str:
+        return self._runtime_state(sandbox_id)[0]
+
+    def _runtime_state(self, sandbox_id: str) -> tuple[str, int]:
+        """runsc's status of the sandbox, and the host PID of its process (0 if none)."""
         proc = _run(self._runsc("state", sandbox_id), check=False, timeout=15)
         if proc.returncode != 0:
-            return "missing"
+            return "missing", 0
         try:
-            return str(json.loads(proc.stdout).get("status", "missing"))
+            state = json.loads(proc.stdout)
         except ValueError:
-            return "missing"
+            return "missing", 0
+        status = str(state.get("status", "missing"))
+        pid = state.get("pid")
+        pid = pid if isinstance(pid, int) else 0
+        # Newer runsc (2024) says "running" for as long as the sandbox's process exists, and one
+        # that exited (after a checkpoint, say) is a zombie until the host's init reaps it (a
+        # second or more): a restore took it for running. Older runsc says "stopped" at once.
+        if status == "running" and _exited(pid):
+            return "stopped", pid
+        return status, pid
 
     def state(self, handle: Handle) -> RuntimeState:
         status = self._runtime_status(handle["id"])
@@ -865,6 +885,28 @@ def _restore_limits(lifted: list[tuple[Path, str]]) -> None:
     for path, old in lifted:
         with contextlib.suppress(OSError):
             path.write_text(old)
+
+
+def _exited(pid: int) -> bool:
+    """Whether host process ``pid`` is gone or a zombie."""
+    if pid <= 0:
+        return False
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0] in ("Z", "X")
+    except FileNotFoundError:
+        return True
+    except (OSError, IndexError):
+        return False
+
+
+def _wait_exited(pid: int, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while not _exited(pid):
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.005)
+    return True
 
 
 def _oom_killed(sandbox_id: str) -> bool:

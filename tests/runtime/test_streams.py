@@ -70,3 +70,43 @@ def test_follower_unknown_process_ends_it():
 def test_bridge_channel_names_are_valid_for_channels():
     assert streams.bridge_channel("node a/1") == "hangar.bridge.node-a-1"
     assert streams.proc_group(streams.exec_key(12)) == "hangar.proc.x12"
+
+
+def test_the_bridge_holds_a_bounded_amount_of_input_for_a_process_that_does_not_read(monkeypatch):
+    """Input for a command that never reads its stdin waits in the bridge up to a bound; past
+    it, more is refused rather than held without end, and what was held goes once it reads."""
+    import asyncio
+    import threading
+
+    from runtime import bridge as bridge_mod
+
+    monkeypatch.setattr(bridge_mod, "STDIN_BUFFER_BYTES", 1000)
+    reading = threading.Event()
+    got: list[bytes] = []
+
+    class Stuck:  # send_stdin blocks until the command reads
+        def send_stdin(self, data: bytes) -> None:
+            reading.wait(10)
+            got.append(data)
+
+    async def scenario() -> tuple[int, int, int]:
+        b = bridge_mod.Bridge("n1", layer=None)
+        lp = bridge_mod.LiveProcess(key="k", sandbox_id="sb1", kind="exec", process=Stuck(),  # type: ignore[arg-type]
+                                    ring=streams.OutputRing(100))  # fmt: skip
+        b.procs["k"] = lp
+        task = asyncio.create_task(b._input_loop(lp))
+        for _ in range(30):
+            await b.dispatch({"type": streams.INPUT, "key": "k", "data": b"x" * 100})
+        queued, dropped = lp.stdin_queued, lp.stdin_dropped
+        reading.set()
+        for _ in range(200):
+            if lp.stdin_queued == 0:
+                break
+            await asyncio.sleep(0.01)
+        lp.exit = {"exit_code": 0}
+        task.cancel()
+        return queued, dropped, lp.stdin_queued
+
+    queued, dropped, after = asyncio.run(scenario())
+    assert queued == 1000 and dropped == 2000
+    assert after == 0 and b"".join(got) == b"x" * 1000  # what was held arrived, in order
