@@ -14,6 +14,7 @@ install: system-deps venv
 
 system-deps:
 	@scripts/install-system-deps.sh
+	@scripts/install-runsc.sh
 
 venv: $(VENV)/.installed
 

@@ -33,7 +33,10 @@ sys.path.insert(0, str(ROOT))
 
 from _common import client, start_hangar, stop_hangar, summary, write_results  # noqa: E402
 
+from runtime.launchers.gvisor import default_runsc  # noqa: E402
 from runtime.launchers.images import ImageStore  # noqa: E402
+
+RUNSC = os.environ.get("HANGAR_RUNSC") or default_runsc()  # the one Hangar itself runs
 
 # -- (a) raw runsc ----------------------------------------------------------------------------
 
@@ -45,7 +48,7 @@ def raw_bundle(work: Path) -> tuple[Path, Path]:
     if (bundle / "config.json").exists():
         return bundle, work / "runsc-root"
     bundle.mkdir(exist_ok=True)
-    subprocess.run(["runsc", "spec"], cwd=bundle, check=True)
+    subprocess.run([RUNSC, "spec"], cwd=bundle, check=True)
     spec = json.loads((bundle / "config.json").read_text())
     spec["process"]["args"] = ["/bin/sleep", "3600"]
     spec["process"]["terminal"] = False
@@ -58,11 +61,11 @@ def raw_once(bundle: Path, root: Path) -> tuple[float, str]:
     cid = "raw" + uuid.uuid4().hex[:10]
     start = time.perf_counter()
     subprocess.run(
-        ["runsc", "--root", str(root), "--network=none", "run", "--detach", "--bundle", str(bundle), cid],
+        [RUNSC, "--root", str(root), "--network=none", "run", "--detach", "--bundle", str(bundle), cid],
         check=True, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, start_new_session=True,
     )  # fmt: skip
     out = subprocess.run(
-        ["runsc", "--root", str(root), "exec", cid, "echo", "ok"], capture_output=True, check=True
+        [RUNSC, "--root", str(root), "exec", cid, "echo", "ok"], capture_output=True, check=True
     )
     elapsed = time.perf_counter() - start
     assert out.stdout == b"ok\n"
@@ -70,7 +73,7 @@ def raw_once(bundle: Path, root: Path) -> tuple[float, str]:
 
 
 def raw_cleanup(root: Path, cid: str) -> None:
-    subprocess.run(["runsc", "--root", str(root), "delete", "--force", cid], capture_output=True)
+    subprocess.run([RUNSC, "--root", str(root), "delete", "--force", cid], capture_output=True)
 
 
 def raw_runsc(n: int, work: Path) -> list[float]:
@@ -218,7 +221,7 @@ def main() -> int:
     work = Path(tempfile.mkdtemp(prefix="hangar-bench-"))
     hangar = None
     results: dict[str, object] = {"n": args.n, "cpus": os.cpu_count(), "runsc": subprocess.run(
-        ["runsc", "--version"], capture_output=True, text=True).stdout.splitlines()[0]}  # fmt: skip
+        [RUNSC, "--version"], capture_output=True, text=True).stdout.splitlines()[0]}  # fmt: skip
     try:
         print(f"raw runsc: {args.n} × (run --detach + exec echo ok)…", flush=True)
         raw = raw_runsc(args.n, work)

@@ -10,8 +10,10 @@ from collections.abc import Callable
 
 import pytest
 
+from runtime.launchers.gvisor import default_runsc
+
 requires_runsc = pytest.mark.skipif(
-    os.geteuid() != 0 or shutil.which("runsc") is None,
+    os.geteuid() != 0 or shutil.which(default_runsc()) is None,
     reason="needs root and runsc (gVisor); .ci/run installs runsc and runs as root",
 )
 

@@ -15,6 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from runtime.launchers.gvisor import default_runsc
 from tests.support import free_port, requires_runsc, wait_until
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -121,7 +122,7 @@ def test_hangar_up_runs_stops_cleanly_and_sandboxes_survive_a_restart(tmp_path):
     wait_until(lambda: not _hangar_processes(data_dir), 20, what="every hangar process to exit")
     runsc_root = data_dir / "runtime" / "gvisor" / "runsc-root"
     listed = subprocess.run(
-        ["runsc", "--root", str(runsc_root), "list"], capture_output=True, text=True
+        [default_runsc(), "--root", str(runsc_root), "list"], capture_output=True, text=True
     ).stdout
     assert sid in listed, "the sandbox must outlive Hangar's processes"
 

@@ -93,7 +93,7 @@ class GVisorLauncher(Launcher):
     def __init__(
         self,
         state_dir: str | os.PathLike[str],
-        runsc: str = "runsc",
+        runsc: str = "",
         platform: str = "",
         agent_cache_dir: str | os.PathLike[str] | None = None,
         extra_flags: tuple[str, ...] = (),
@@ -107,7 +107,7 @@ class GVisorLauncher(Launcher):
                                nameservers=network_nameservers, gateway_port=gateway_port)  # fmt: skip
         self.root = self.state_dir / "runsc-root"
         self.sandboxes_dir = self.state_dir / "sandboxes"
-        self.runsc = runsc
+        self.runsc = runsc or default_runsc()
         self.platform = platform
         self.extra_flags = tuple(extra_flags)
         self.agent_cache_dir = Path(agent_cache_dir) if agent_cache_dir else self.state_dir / "bin"
@@ -885,6 +885,16 @@ def _restore_limits(lifted: list[tuple[Path, str]]) -> None:
     for path, old in lifted:
         with contextlib.suppress(OSError):
             path.write_text(old)
+
+
+NEWER_RUNSC = "/usr/local/lib/hangar/runsc"
+
+
+def default_runsc() -> str:
+    """The runsc to use when none is configured: the newer one ``scripts/install-runsc.sh``
+    puts beside Debian 12's (which cannot ``statx`` and always compresses checkpoints), else
+    the one on PATH."""
+    return NEWER_RUNSC if os.access(NEWER_RUNSC, os.X_OK) else "runsc"
 
 
 def _exited(pid: int) -> bool:

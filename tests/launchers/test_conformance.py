@@ -332,7 +332,9 @@ def test_stats_report_memory_and_cpu(launcher, sandbox):
 
 
 def test_runsc_is_present():
-    assert shutil.which("runsc"), "runsc must be installed by .ci/run"
+    from runtime.launchers.gvisor import default_runsc
+
+    assert shutil.which(default_runsc()), "runsc must be installed by .ci/run"
 
 
 def test_the_sandbox_cannot_fill_the_host_disk_through_the_agent_dir(launcher, sandbox):

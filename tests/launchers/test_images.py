@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from runtime.launchers.gvisor import default_runsc
 from runtime.launchers.images import ImageError, ImageInfo, ImageNotFound, ImageStore, tree_digest
 
 from .conftest import (
@@ -662,7 +663,7 @@ def test_build_base_debian_image(image_store: ImageStore, agent_cache_dir, tmp_p
             ["chroot", str(root), "python3", "-c", "print(6 * 7)"], capture_output=True, text=True
         )
         assert out.stdout.strip() == "42", out.stderr
-    if IS_ROOT and shutil.which("runsc"):
+    if IS_ROOT and shutil.which(default_runsc()):
         # And it is what harnesses will run: python3, node, git and bash inside a real gVisor sandbox.
         from runtime.launchers.base import ExecRequest, SandboxSpec
         from runtime.launchers.gvisor import GVisorLauncher
