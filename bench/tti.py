@@ -33,10 +33,11 @@ sys.path.insert(0, str(ROOT))
 
 from _common import client, start_hangar, stop_hangar, summary, write_results  # noqa: E402
 
-from runtime.launchers.gvisor import default_runsc  # noqa: E402
+from runtime.launchers.gvisor import DEFAULT_PLATFORM, default_runsc  # noqa: E402
 from runtime.launchers.images import ImageStore  # noqa: E402
 
 RUNSC = os.environ.get("HANGAR_RUNSC") or default_runsc()  # the one Hangar itself runs
+PLATFORM = os.environ.get("HANGAR_RUNSC_PLATFORM", DEFAULT_PLATFORM)  # and the same platform
 
 # -- (a) raw runsc ----------------------------------------------------------------------------
 
@@ -61,11 +62,13 @@ def raw_once(bundle: Path, root: Path) -> tuple[float, str]:
     cid = "raw" + uuid.uuid4().hex[:10]
     start = time.perf_counter()
     subprocess.run(
-        [RUNSC, "--root", str(root), "--network=none", "run", "--detach", "--bundle", str(bundle), cid],
+        [RUNSC, "--root", str(root), f"--platform={PLATFORM}", "--network=none", "run", "--detach", "--bundle", str(bundle), cid],
         check=True, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, start_new_session=True,
     )  # fmt: skip
     out = subprocess.run(
-        [RUNSC, "--root", str(root), "exec", cid, "echo", "ok"], capture_output=True, check=True
+        [RUNSC, "--root", str(root), f"--platform={PLATFORM}", "exec", cid, "echo", "ok"],
+        capture_output=True,
+        check=True,
     )
     elapsed = time.perf_counter() - start
     assert out.stdout == b"ok\n"

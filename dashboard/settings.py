@@ -215,7 +215,7 @@ TIME_ZONE = "UTC"
 # Hangar itself
 HANGAR_NODE_NAME = env_str("HANGAR_NODE_NAME", socket.gethostname().split(".")[0] or "local")
 HANGAR_RUNSC = env_str("HANGAR_RUNSC", "")  # empty: runtime.launchers.gvisor.default_runsc()
-HANGAR_RUNSC_PLATFORM = env_str("HANGAR_RUNSC_PLATFORM", "")
+HANGAR_RUNSC_PLATFORM = env_str("HANGAR_RUNSC_PLATFORM", "ptrace")  # see gvisor.DEFAULT_PLATFORM
 HANGAR_IMAGES_DIR = Path(env_str("HANGAR_IMAGES_DIR", str(DATA_DIR / "images")))
 HANGAR_RUNTIME_DIR = Path(env_str("HANGAR_RUNTIME_DIR", str(DATA_DIR / "runtime")))
 HANGAR_VOLUMES_DIR = Path(env_str("HANGAR_VOLUMES_DIR", str(DATA_DIR / "volumes")))
