@@ -257,8 +257,10 @@ class Preview:
         except ServiceError as exc:  # over quota, say: the page says so
             raise Denied(exc.status_code, "This sandbox could not be resumed", exc.message) from None
         if sandbox.status in (S.FAILED, S.STOPPING, S.STOPPED, S.DELETED):
+            # Not the reason itself: a public preview's visitors are anybody, and a node's
+            # reasons name its paths. The sandbox's team sees it in Hangar.
             raise Denied(503, "This sandbox could not be resumed",
-                         f"Sandbox {sandbox.id} is {sandbox.status}: {sandbox.status_reason or 'no reason given'}.")  # fmt: skip
+                         f"Sandbox {sandbox.id} is {sandbox.status}; its owners can see why in Hangar.")  # fmt: skip
         if sandbox.status != S.RUNNING:
             raise Denied(503, "This sandbox is waking up",
                          f"Sandbox {sandbox.id} did not start within {settings.HANGAR_PREVIEW_RESUME_WAIT_S} s "

@@ -51,7 +51,6 @@ STALE_S = 15.0
 COALESCE_BYTES = 256 * 1024
 KEEP_ENDED_S = 600.0
 HOUSEKEEPING_S = 1.0
-STDIN_BUFFER_BYTES = 8 * 1024 * 1024  # input held for a process that does not read it
 
 
 @dataclass
@@ -75,8 +74,6 @@ class LiveProcess:
     outbox: deque[tuple[str | None, dict[str, Any]]] = field(default_factory=deque)
     outbox_ready: asyncio.Event = field(default_factory=asyncio.Event)
     stdin: asyncio.Queue[tuple[str, Any]] = field(default_factory=asyncio.Queue)
-    stdin_queued: int = 0  # bytes of input waiting for the process to read them
-    stdin_dropped: int = 0  # bytes refused because that was over STDIN_BUFFER_BYTES
     exit: dict[str, Any] | None = None
     ended_at: float | None = None
     tasks: list[asyncio.Task[None]] = field(default_factory=list)
@@ -172,7 +169,7 @@ class Bridge:
             self._update_flow(lp)
         elif kind in (streams.INPUT, streams.EOF, streams.RESIZE, streams.SIGNAL):
             if lp.exit is None:
-                self._queue_input(lp, kind, msg)
+                lp.stdin.put_nowait((kind, msg))
         elif kind == streams.KILL:
             if lp.exit is None:
                 # SIGKILL to its process group through the agent: the exit is then reported as
@@ -220,7 +217,6 @@ class Bridge:
         self.procs[key] = lp
         initial = msg.get("stdin_data")
         if initial:
-            lp.stdin_queued += len(initial)  # what the request brought: never refused
             lp.stdin.put_nowait((streams.INPUT, {"data": initial}))
         if not msg.get("stdin_open"):
             lp.stdin.put_nowait((streams.EOF, {}))
@@ -336,21 +332,6 @@ class Bridge:
 
     # -- input -------------------------------------------------------------------------------
 
-    def _queue_input(self, lp: LiveProcess, kind: str, msg: dict[str, Any]) -> None:
-        """Input waits here while the process does not read it, up to STDIN_BUFFER_BYTES; past
-        that it is refused (and logged), as a full pipe would, rather than held in this
-        process's memory without end (a paste into a command that never reads its stdin)."""
-        if kind == streams.INPUT:
-            size = len(msg.get("data") or b"")
-            if lp.stdin_queued + size > STDIN_BUFFER_BYTES:
-                if not lp.stdin_dropped:
-                    log.warning("bridge: %s does not read its input; %d bytes are waiting, further input is "
-                                "refused until it reads", lp.key, lp.stdin_queued)  # fmt: skip
-                lp.stdin_dropped += size
-                return
-            lp.stdin_queued += size
-        lp.stdin.put_nowait((kind, msg))
-
     async def _input_loop(self, lp: LiveProcess) -> None:
         """Writes to the agent from a thread, in order, so a command that does not read its
         stdin never blocks the loop."""
@@ -358,11 +339,7 @@ class Bridge:
             kind, msg = await lp.stdin.get()
             try:
                 if kind == streams.INPUT:
-                    data = bytes(msg["data"])
-                    try:
-                        await asyncio.to_thread(lp.process.send_stdin, data)
-                    finally:
-                        lp.stdin_queued -= len(data)
+                    await asyncio.to_thread(lp.process.send_stdin, bytes(msg["data"]))
                 elif kind == streams.EOF:
                     await asyncio.to_thread(lp.process.close_stdin)
                 elif kind == streams.RESIZE:

@@ -41,4 +41,4 @@ fi
 rm -rf "$work/x" && dpkg-deb -x "$work"/deb/runsc_*.deb "$work/x"
 install -D -m 0755 "$work/x/usr/bin/runsc" "$dest.new" && mv -f "$dest.new" "$dest"
 rm -rf "$work/x" "$work/lists"
-"$dest" --version | head -1
+"$dest" --version | sed -n 1p

@@ -363,7 +363,7 @@ class GVisorLauncher(Launcher):
                 # Newer runsc (2024) may return before the sandbox's process has exited, and says
                 # "running" until it has: a restore that came that soon would skip `runsc restore`
                 # and wait for an agent that is not there. The pause ends once it has exited.
-                if not _wait_exited(pid, 30.0):
+                if pid > 0 and not _wait_exited(pid, 30.0):
                     _run(self._runsc("kill", sandbox_id, "KILL"), check=False)  # it is saved
                 partial.rename(image)
                 log.info("checkpoint of %s: quiesce %.3f s, runsc checkpoint %.3f s, exit %.3f s, %d MB saved",

@@ -25,7 +25,7 @@ from django.conf import settings
 from django.db import transaction
 from django.utils import timezone
 
-from ..errors import Conflict, InvalidValue, NoCapacity, NotFound, QuotaExceeded, ServiceError
+from ..errors import Conflict, InvalidValue, NoCapacity, NotFound, QuotaExceeded
 from ..lifecycle import record_event
 from ..models import Pool, Sandbox, Team
 from . import audit
@@ -170,16 +170,16 @@ def pool_claim(
     cpu: float,
     memory_mb: int,
     claim: dict[str, Any],
+    network: bool = False,
     on_claim: Callable[[str, str], None] | None = None,
 ) -> Sandbox | None:
     """A running member of the team's pool for this spec, now the caller's (``claim`` holds the
-    fields it takes on: env, metadata, timeout_s, created_by, rules, network); None if there is
-    none. With a network in ``claim``, only a pool with networks matches; the caller puts the
-    policy in force (:func:`claim_network`) once the claim is committed. The claim, its event
-    and ``on_claim(member_id, pool_id)`` (the caller's audit record) commit together."""
-    net = claim.get("network") or {}
+    fields it takes on: env, metadata, timeout_s, created_by, rules); None if there is none.
+    With ``network``, only a pool with networks matches, and the caller puts its policy in
+    force (:func:`claim_network`) once the claim is committed. The claim, its event and
+    ``on_claim(member_id, pool_id)`` (the caller's audit record) commit together."""
     pool = Pool.objects.filter(
-        team=team, image=image, runtime=runtime, cpu=cpu, memory_mb=memory_mb, network=bool(net)
+        team=team, image=image, runtime=runtime, cpu=cpu, memory_mb=memory_mb, network=network
     ).first()
     if pool is None:
         return None
@@ -209,17 +209,20 @@ def pool_claim(
 
 
 def claim_network(sandbox_id: str, net: dict[str, Any]) -> bool:
-    """The claimed member's egress policy, in force on its node. A member that cannot take it
-    is deleted (it never ran anything of the caller's) and False returned."""
-    from ..launchers.base import LauncherError
+    """The claimed member's egress policy, in force on its node, then on its row (which says
+    egress none until then, as the node does). A member that cannot take it, whatever the
+    reason (the node's answer, its queue, a timeout), is deleted (it never ran anything of the
+    caller's) and False returned."""
     from ..lifecycle import transition
     from .sandboxes import sandbox_delete, sandbox_network_apply
 
     sandbox = Sandbox.objects.select_related("node", "team").get(id=sandbox_id)
     try:
         sandbox_network_apply(sandbox, net)
+        Sandbox.objects.filter(id=sandbox_id).update(network=net, updated_at=timezone.now())
+        record_event(sandbox_id, "network", f"egress {net.get('egress', 'none')}", **net)
         return True
-    except (LauncherError, ServiceError) as exc:
+    except Exception as exc:
         log.warning("claimed member %s could not take its network policy: %s", sandbox_id, exc)
         record_event(sandbox_id, "network", f"the claim's network policy could not be applied: {exc}")
         transition(

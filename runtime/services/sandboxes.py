@@ -229,12 +229,19 @@ def sandbox_create(
             team=team, image=image_row.name, runtime=runtime, cpu=cpu, memory_mb=memory_mb,
             claim={"env": env, "metadata": metadata or {}, "timeout_s": timeout_s, "on_expire": on_expire,
                    "idle_timeout_s": idle_timeout_s, "pause_mode": pause_mode, "secrets": secret_names,
-                   "ports": port_list, "auto_resume": auto_resume, "network": net,
+                   "ports": port_list, "auto_resume": auto_resume,
                    "created_by": user if user is not None and user.is_authenticated else None},
-            on_claim=claimed_now,
+            network=bool(net), on_claim=None if net else claimed_now,
         )  # fmt: skip
-        # A member that cannot take the network policy is gone: a sandbox of its own, then.
-        if claimed is not None and (not net or claim_network(claimed.id, net)):
+        if claimed is not None and net:
+            # Its row takes the policy once the node enforces it; a member that cannot take it
+            # is gone, and the create starts a sandbox of its own.
+            if claim_network(claimed.id, net):
+                claimed_now(claimed.id, claimed.pool_id)
+                claimed.network = net
+            else:
+                claimed = None
+        if claimed is not None:
             return claimed
     now = timezone.now()
     with transaction.atomic():

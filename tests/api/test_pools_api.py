@@ -146,6 +146,12 @@ def test_a_member_that_cannot_take_the_network_policy_is_dropped_and_the_create_
     member.refresh_from_db()
     assert member.status in ("stopping", "deleted")
     assert "network policy" in member.status_reason
+    # Its row never said it had the caller's policy, and no create was recorded for it.
+    assert member.network == {"egress": "none", "allow": []}
+    from runtime.models import AuditEvent
+
+    assert not AuditEvent.objects.filter(action="sandbox.create", target=member.id).exists()
+    assert AuditEvent.objects.filter(action="sandbox.create", target=sb.id).exists()
     assert SandboxEvent.objects.filter(
         sandbox_id=member.id, message__contains="could not be applied"
     ).exists()
