@@ -82,11 +82,20 @@ class Denied(Exception):
 # on the event loop (a Redis notification or a re-read every second), holding no thread.
 _WAKING: dict[str, asyncio.Task[Sandbox]] = {}
 WAKE_POLL_S = 1.0
+WAKE_TASK_WAITS = 3  # the shared task follows the sandbox this many request waits at most
+
+
+def _read_row(sandbox_id: str) -> Sandbox:
+    row = Sandbox.objects.select_related("node", "team").filter(id=sandbox_id).first()
+    if row is None:
+        raise Denied(404, "No such sandbox", f"There is no sandbox {sandbox_id} (or it was deleted).")
+    return row
 
 
 async def _wake(sandbox_id: str) -> Sandbox:
-    """Resume the sandbox if it is paused and wait until it runs (or the wait ends); the fresh
-    row. Requests arriving meanwhile share the first one's task."""
+    """Resume the sandbox if it is paused and wait until it runs, or until this request's own
+    wait ends (``HANGAR_PREVIEW_RESUME_WAIT_S`` from when it came, however late it joined);
+    the fresh row. Requests arriving meanwhile share the first one's task."""
     loop = asyncio.get_running_loop()
     task = _WAKING.get(sandbox_id)
     if task is None or task.done() or task.get_loop() is not loop:
@@ -100,20 +109,18 @@ async def _wake(sandbox_id: str) -> Sandbox:
                 t.exception()  # retrieved: a failure is each waiter's to report
 
         task.add_done_callback(forget)
-    # Shielded: a client that gives up does not stop the wake-up the others wait for.
-    return await asyncio.shield(task)
+    # Shielded: a client that gives up, or whose wait ends, does not stop the wake-up the
+    # others wait for.
+    try:
+        return await asyncio.wait_for(asyncio.shield(task), settings.HANGAR_PREVIEW_RESUME_WAIT_S)
+    except TimeoutError:
+        return await blocking(_read_row)(sandbox_id)  # still waking: the caller says so
 
 
 async def _resume_and_wait(sandbox_id: str) -> Sandbox:
     from dashboard.live import hub
     from runtime.notify import sandbox_channel
     from runtime.services import sandboxes as svc
-
-    def read() -> Sandbox:
-        row = Sandbox.objects.select_related("node", "team").filter(id=sandbox_id).first()
-        if row is None:
-            raise Denied(404, "No such sandbox", f"There is no sandbox {sandbox_id} (or it was deleted).")
-        return row
 
     def resume(row: Sandbox) -> None:
         with contextlib.suppress(Conflict):  # another server resumed it first
@@ -122,10 +129,10 @@ async def _resume_and_wait(sandbox_id: str) -> Sandbox:
     channel = sandbox_channel(sandbox_id)
     queue = await hub.subscribe(channel)  # before the first read: no change is missed
     try:
-        deadline = time.monotonic() + settings.HANGAR_PREVIEW_RESUME_WAIT_S
+        deadline = time.monotonic() + WAKE_TASK_WAITS * settings.HANGAR_PREVIEW_RESUME_WAIT_S
         resumed = False
         while True:
-            row = await blocking(read)()
+            row = await blocking(_read_row)(sandbox_id)
             if row.status == S.PAUSED and not resumed:
                 # A pause still finishing when the request came is let finish, then undone.
                 await blocking(resume)(row)

@@ -133,3 +133,40 @@ def test_requests_for_a_paused_sandbox_share_one_wake_up_and_hold_no_threads(tra
     with pytest.raises(Denied) as exc:
         asyncio.run(make({})._running(sb))
     assert exc.value.status == 404
+
+
+def test_a_request_that_joins_a_wake_up_late_still_gets_its_whole_wait(
+    transactional_db, monkeypatch, settings
+):
+    """The wait is each request's own: one that arrives while the sandbox has been waking up for
+    a while is not cut short by the first request's deadline."""
+    import time
+
+    from runtime.models import Sandbox, Team
+    from runtime.services import sandboxes as svc
+
+    settings.HANGAR_PREVIEW_RESUME_WAIT_S = 2
+    team = Team.objects.create(name="slow")
+    sb = Sandbox.objects.create(team=team, image="x", image_digest="sha256:x", status="paused", auto_resume=True,
+                                ports=[{"port": 8000, "public": True}])  # fmt: skip
+
+    def resume(*, sandbox):  # a resume that never finishes
+        Sandbox.objects.filter(id=sandbox.id).update(status="resuming")
+        return sandbox
+
+    monkeypatch.setattr(svc, "sandbox_resume", resume)
+
+    async def scenario():
+        first = asyncio.create_task(make({})._running(sb))
+        await asyncio.sleep(1.5)
+        start = time.monotonic()
+        with pytest.raises(Denied) as late:
+            await make({})._running(sb)
+        waited = time.monotonic() - start
+        with pytest.raises(Denied):
+            await first
+        return waited, late.value
+
+    waited, denied = asyncio.run(scenario())
+    assert denied.status == 503 and "waking up" in denied.title
+    assert waited >= 1.8, waited  # its own 2 s, not the 0.5 s the first request had left
