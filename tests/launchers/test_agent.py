@@ -469,10 +469,16 @@ def children(pid: int) -> set[int]:
 
 
 def wait_for_children(pid: int, count: int, within: float = 5.0) -> set[int]:
+    """``count`` children that stay the same a moment: a short-lived child of the agent's
+    start-up (a probe) must not be taken for a spare."""
     deadline = time.monotonic() + within
     while True:
         kids = children(pid)
-        if len(kids) == count or time.monotonic() > deadline:
+        if len(kids) == count:
+            time.sleep(0.2)
+            if children(pid) == kids:
+                return kids
+        if time.monotonic() > deadline:
             return kids
         time.sleep(0.02)
 
