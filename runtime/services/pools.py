@@ -214,13 +214,12 @@ def claim_network(sandbox_id: str, net: dict[str, Any]) -> bool:
     reason (the node's answer, its queue, a timeout), is deleted (it never ran anything of the
     caller's) and False returned."""
     from ..lifecycle import transition
-    from .sandboxes import sandbox_delete, sandbox_network_apply
+    from .sandboxes import network_store, sandbox_delete, sandbox_network_apply
 
     sandbox = Sandbox.objects.select_related("node", "team").get(id=sandbox_id)
     try:
         sandbox_network_apply(sandbox, net)
-        Sandbox.objects.filter(id=sandbox_id).update(network=net, updated_at=timezone.now())
-        record_event(sandbox_id, "network", f"egress {net.get('egress', 'none')}", **net)
+        network_store(sandbox_id, net)
         return True
     except Exception as exc:
         log.warning("claimed member %s could not take its network policy: %s", sandbox_id, exc)

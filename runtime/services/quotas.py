@@ -94,14 +94,15 @@ def _policy(team: Team) -> TeamPolicy:
     return policy
 
 
-_UNREAD: Any = object()
+# "The caller has not read the team's TeamPolicy row" (None: it read it, and there is none).
+UNREAD: Any = object()
 
 
-def effective(team: Team, policy: TeamPolicy | None = _UNREAD) -> dict[str, dict[str, float | int]]:
+def effective(team: Team, policy: TeamPolicy | None = UNREAD) -> dict[str, dict[str, float | int]]:
     """``{key: {"limit", "ceiling"}}`` for the team (``policy``: its TeamPolicy row, or None
     when it has none, if the caller read it already)."""
     defaults = site_defaults()
-    if policy is _UNREAD:
+    if policy is UNREAD:
         policy = TeamPolicy.objects.filter(team=team).first()
     ceilings = policy.ceilings if policy else {}
     limits = policy.limits if policy else {}

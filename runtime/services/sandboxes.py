@@ -141,11 +141,16 @@ def sandbox_set_network(*, sandbox: Sandbox, network: dict[str, Any] | None) -> 
             )  # fmt: skip
 
         sandbox_network_apply(sandbox, net)
-    Sandbox.objects.filter(id=sandbox.id).update(network=net, updated_at=timezone.now())
-    record_event(sandbox.id, "network", f"egress {net.get('egress', 'none')}", **net)
+    network_store(sandbox.id, net)
     audit.record("sandbox.network", team=sandbox.team, target=sandbox.id, **net)
     sandbox.network = net
     return sandbox
+
+
+def network_store(sandbox_id: str, net: dict[str, Any]) -> None:
+    """The sandbox's row and events say ``net`` is its policy (once its node enforces it)."""
+    Sandbox.objects.filter(id=sandbox_id).update(network=net, updated_at=timezone.now())
+    record_event(sandbox_id, "network", f"egress {net.get('egress', 'none')}", **net)
 
 
 def sandbox_network_apply(sandbox: Sandbox, net: dict[str, Any]) -> None:

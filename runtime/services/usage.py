@@ -28,6 +28,7 @@ from django.utils import timezone
 from ..errors import InvalidValue, QuotaExceeded
 from ..models import Sandbox, SiteDefaults, Team, TeamPolicy, UsageHour, Volume
 from . import audit
+from .quotas import UNREAD
 
 log = logging.getLogger(__name__)
 S = Sandbox.Status
@@ -233,10 +234,10 @@ def budget_of(team: Team) -> Budget:
                   spent=month_cost(team) if amount else 0.0, currency=settings.HANGAR_CURRENCY)  # fmt: skip
 
 
-def budget_check(team: Team, policy: TeamPolicy | None | bool = False) -> None:
+def budget_check(team: Team, policy: TeamPolicy | None = UNREAD) -> None:
     """Refuse a new sandbox when the team spent its month's budget and enforcement is on
     (``policy``: the team's TeamPolicy row or None, if the caller read it already)."""
-    if policy is False:
+    if policy is UNREAD:
         policy = TeamPolicy.objects.filter(team=team).only("budget", "budget_enforced").first()
     if policy is None or not policy.budget_enforced or not policy.budget:
         return
