@@ -4,6 +4,9 @@
 (a) raw: `runsc run --detach` of the busybox bundle, then `runsc exec … echo ok`;
 (b) Hangar: `POST /sandboxes` (wait) then `POST /sandboxes/{id}/exec` `echo ok`, N times one
     after another, then N at once;
+(a) and (b) one after another are interleaved (raw, Hangar, Hangar, raw, …), each starting once
+the previous one's sandbox is gone: on a machine whose speed drifts from minute to minute, both
+see the same conditions, so their ratio means something;
 (c) exec on a running sandbox through the API, and through the launcher directly;
 (d) resident memory of an idle sandbox (every runsc process of that sandbox).
 
@@ -79,16 +82,6 @@ def raw_cleanup(root: Path, cid: str) -> None:
     subprocess.run([RUNSC, "--root", str(root), "delete", "--force", cid], capture_output=True)
 
 
-def raw_runsc(n: int, work: Path) -> list[float]:
-    bundle, root = raw_bundle(work)
-    times = []
-    for _ in range(n):
-        elapsed, cid = raw_once(bundle, root)
-        times.append(elapsed)
-        raw_cleanup(root, cid)
-    return times
-
-
 def raw_runsc_concurrent(n: int, work: Path) -> list[float]:
     bundle, root = raw_bundle(work)
     results: list[tuple[float, str]] = []
@@ -124,12 +117,40 @@ def hangar_once(api: httpx.Client, created: list[str]) -> float:
     return elapsed
 
 
-def hangar_sequential(api: httpx.Client, n: int, created: list[str]) -> list[float]:
-    times = []
-    for _ in range(n):
-        times.append(hangar_once(api, created))
-        api.delete(f"/sandboxes/{created.pop()}")  # not timed; keeps the node's load flat
-    return times
+def wait_deleted(api: httpx.Client, sandbox_id: str, timeout: float = 60) -> None:
+    """Until the node has destroyed it: the next measurement starts on a quiet machine."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        r = api.get(f"/sandboxes/{sandbox_id}")
+        if r.status_code == 404 or r.json().get("status") in ("deleted", "failed"):
+            return
+        time.sleep(0.02)
+    raise RuntimeError(f"sandbox {sandbox_id} was not deleted within {timeout:g}s")
+
+
+def interleaved(api: httpx.Client, n: int, work: Path, created: list[str]) -> tuple[list[float], list[float]]:
+    """n raw runs and n Hangar creates, alternating (ABBA), none timed while another's
+    sandbox is still being torn down."""
+    bundle, root = raw_bundle(work)
+    raw: list[float] = []
+    hangar: list[float] = []
+
+    def raw_step() -> None:
+        elapsed, cid = raw_once(bundle, root)
+        raw.append(elapsed)
+        raw_cleanup(root, cid)
+
+    def hangar_step() -> None:
+        hangar.append(hangar_once(api, created))
+        sid = created.pop()
+        api.delete(f"/sandboxes/{sid}")
+        wait_deleted(api, sid)
+
+    for i in range(n):
+        steps = (raw_step, hangar_step) if i % 2 == 0 else (hangar_step, raw_step)
+        for step in steps:
+            step()
+    return raw, hangar
 
 
 def hangar_concurrent(url: str, token: str, n: int, created: list[str]) -> list[float]:
@@ -226,10 +247,6 @@ def main() -> int:
     results: dict[str, object] = {"n": args.n, "cpus": os.cpu_count(), "runsc": subprocess.run(
         [RUNSC, "--version"], capture_output=True, text=True).stdout.splitlines()[0]}  # fmt: skip
     try:
-        print(f"raw runsc: {args.n} × (run --detach + exec echo ok)…", flush=True)
-        raw = raw_runsc(args.n, work)
-        print(f"raw runsc: {args.n} at once…", flush=True)
-        raw_conc = raw_runsc_concurrent(args.n, work)
         url, token = args.url, args.token
         if not url:
             hangar = start_hangar(work / "data", args.port)
@@ -237,11 +254,15 @@ def main() -> int:
         created: list[str] = []
         with client(url, token) as api:
             hangar_once(api, created)  # warm-up: first-use costs (agent build, caches) are not TTI
-            print(f"hangar: {args.n} sequential creates + exec…", flush=True)
-            seq = hangar_sequential(api, args.n, created)
-            for sid in created:
-                api.delete(f"/sandboxes/{sid}")
-            created.clear()
+            bundle, root = raw_bundle(work)
+            raw_cleanup(root, raw_once(bundle, root)[1])  # and the raw side's
+            api.delete(f"/sandboxes/{created[-1]}")
+            wait_deleted(api, created.pop())
+            print(f"raw runsc (run --detach + exec echo ok) and Hangar (create + exec), {args.n} each, "
+                  "interleaved…", flush=True)  # fmt: skip
+            raw, seq = interleaved(api, args.n, work, created)
+            print(f"raw runsc: {args.n} at once…", flush=True)
+            raw_conc = raw_runsc_concurrent(args.n, work)
             print(f"hangar: {args.n} concurrent creates + exec…", flush=True)
             conc = hangar_concurrent(url, token, args.n, created)
             for sid in created:

@@ -5,12 +5,40 @@ import os
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "dashboard.settings")
 
 from channels.routing import ProtocolTypeRouter, URLRouter  # noqa: E402
+from django.conf import settings  # noqa: E402
 from django.contrib.staticfiles.handlers import ASGIStaticFilesHandler  # noqa: E402
 from django.core.asgi import get_asgi_application  # noqa: E402
+from django.core.handlers.asgi import ASGIHandler  # noqa: E402
 
 # Static files (htmx, CSS, the admin's) come from the app itself: `hangar up` needs no separate
 # web server or collectstatic step. A deployment behind nginx can serve STATIC_ROOT instead.
 django_app = ASGIStaticFilesHandler(get_asgi_application())
+
+
+class ApiHandler(ASGIHandler):
+    """Django for /api/ alone, with ``HANGAR_API_MIDDLEWARE``: the API authenticates by bearer
+    token and sets no cookies, so the dashboard's session, CSRF, login and messages middleware
+    have nothing to do there, and under ASGI each of them is a hop to a thread and back
+    (about 0.7 ms a request here). Security headers and the audit actor stay."""
+
+    def load_middleware(self, is_async: bool = False) -> None:
+        # Django reads the list from settings.MIDDLEWARE; swapped for this one call, at import,
+        # before any request is served.
+        dashboard_middleware = settings.MIDDLEWARE
+        settings.MIDDLEWARE = settings.HANGAR_API_MIDDLEWARE
+        try:
+            super().load_middleware(is_async)
+        finally:
+            settings.MIDDLEWARE = dashboard_middleware
+
+
+api_app = ApiHandler()
+
+
+async def http_app(scope, receive, send):  # type: ignore[no-untyped-def]
+    app = api_app if scope["path"].startswith("/api/") else django_app
+    return await app(scope, receive, send)
+
 
 from dashboard.preview import PreviewRouter  # noqa: E402
 from dashboard.routing import websocket_urlpatterns  # noqa: E402
@@ -18,5 +46,5 @@ from dashboard.ws_auth import HangarAuthStack  # noqa: E402
 
 # Preview URLs ({port}-{sandbox}.{HANGAR_PREVIEW_DOMAIN}) are picked by their Host first.
 application = PreviewRouter(
-    ProtocolTypeRouter({"http": django_app, "websocket": HangarAuthStack(URLRouter(websocket_urlpatterns))})
+    ProtocolTypeRouter({"http": http_app, "websocket": HangarAuthStack(URLRouter(websocket_urlpatterns))})
 )

@@ -136,6 +136,12 @@ MIDDLEWARE = [
     "django.contrib.messages.middleware.MessageMiddleware",
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
 ]
+# What /api/ runs through (see dashboard/asgi.py): bearer tokens, no cookies.
+HANGAR_API_MIDDLEWARE = [
+    "django.middleware.security.SecurityMiddleware",
+    "dashboard.middleware.AuditActorMiddleware",
+    "django.middleware.clickjacking.XFrameOptionsMiddleware",
+]
 
 ROOT_URLCONF = "dashboard.urls"
 ASGI_APPLICATION = "dashboard.asgi.application"

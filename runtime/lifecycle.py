@@ -44,6 +44,19 @@ def transition(
 
     Returns False, changing nothing, when another process got there first.
     """
+    return transition_row(sandbox_id, to=to, frm=frm, reason=reason, fields=fields) is not None
+
+
+def transition_row(
+    sandbox_id: str,
+    *,
+    to: str,
+    frm: list[str] | tuple[str, ...] | None = None,
+    reason: str = "",
+    fields: dict[str, Any] | None = None,
+) -> Sandbox | None:
+    """:func:`transition`, returning the row as it now is (None when it did not move): for a
+    caller that goes on with the sandbox, one read fewer."""
     allowed = list(frm) if frm is not None else sources_of(to)
     illegal = [s for s in allowed if to not in TRANSITIONS[s]]
     if illegal:
@@ -51,7 +64,7 @@ def transition(
     with transaction.atomic():
         row = Sandbox.objects.select_for_update().filter(id=sandbox_id, status__in=allowed).first()
         if row is None:
-            return False
+            return None
         now = timezone.now()
         # Usage is counted up to each change into or out of holding CPU and memory.
         metered = usage.on_transition(row, to, now)
@@ -59,13 +72,16 @@ def transition(
         if reason or to in (S.FAILED, S.RUNNING):
             updates["status_reason"] = reason
         Sandbox.objects.filter(id=sandbox_id).update(**updates)
+        from_status = row.status
+        for name, value in updates.items():
+            setattr(row, name, value)
         SandboxEvent.objects.create(
-            sandbox_id=sandbox_id, kind="status", status_from=row.status, status_to=to, message=reason
+            sandbox_id=sandbox_id, kind="status", status_from=from_status, status_to=to, message=reason
         )
         team_id = row.team_id
         transaction.on_commit(lambda: notify.sandbox_changed(sandbox_id, to, team_id))
     previews.forget_row(sandbox_id)  # the preview proxy's copy of the row (this process's)
-    return True
+    return row
 
 
 def record_event(sandbox_id: str, kind: str, message: str = "", **data: Any) -> None:

@@ -1,10 +1,12 @@
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 from django.http import HttpRequest
 from ninja.security import HttpBearer
 
+from runtime.aio import blocking
 from runtime.services import audit
 from runtime.services.auth import token_authenticate
 
@@ -15,6 +17,19 @@ class TokenAuth(HttpBearer):
     """``Authorization: Bearer hgr_…``; ``request.auth`` becomes the ApiToken (user and team).
     Then the endpoint's rule (``permissions.RULES``) decides: a 403 says which role or scope
     it needs."""
+
+    # ninja awaits what this returns for async views (see __call__).
+    is_async = True
+
+    def __call__(self, request: HttpRequest) -> Any:
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:  # a sync view, already on a thread of its own
+            return super().__call__(request)
+        # On the event loop: the check runs on Hangar's blocking pool, whose threads keep their
+        # database connections. ninja's default (sync_to_async) would run it on a thread made
+        # for this one request, which opens a new connection every time.
+        return blocking(super().__call__)(request)
 
     def authenticate(self, request: HttpRequest, token: str) -> Any:
         found = token_authenticate(token)

@@ -47,6 +47,7 @@ import os
 import posixpath
 import select
 import socket
+import stat
 import struct
 import threading
 import time
@@ -327,6 +328,22 @@ class AgentClient:
 
     def ping(self) -> dict[str, str]:
         return self._call(b"P")
+
+    def wait_listening(self, timeout: float) -> None:
+        """Wait until the agent listens: its socket's path exists only then (it binds under a
+        temporary name and renames it into place). No round trip, so the agent forks its first
+        handlers while the caller goes on; a connection made meanwhile waits in the backlog.
+        Raises :class:`AgentUnavailable` after ``timeout``."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                if stat.S_ISSOCK(os.stat(self.socket_path).st_mode):
+                    return
+            except OSError:
+                pass
+            if time.monotonic() >= deadline:
+                raise AgentUnavailable(f"agent at {self.socket_path} was not listening within {timeout:g}s")
+            time.sleep(0.001)
 
     def wait_ready(self, timeout: float) -> None:
         """Retry until the agent answers a ping, or raise :class:`AgentUnavailable`."""

@@ -7,7 +7,7 @@ from typing import Any
 
 from django.conf import settings
 from django.db import transaction
-from django.db.models import Count, Q, Sum
+from django.db.models import Count, Exists, OuterRef, Q, Sum
 from django.utils import timezone
 
 from ..errors import NoCapacity, NodeUnavailable
@@ -70,9 +70,12 @@ def node_pick(*, runtime: str, cpu: float, memory_mb: int, image: Image, node_id
     room. Call inside a transaction: the chosen node's row stays locked until commit so two
     concurrent creates cannot both take its last unit of room."""
     cutoff = timezone.now() - timedelta(seconds=settings.HANGAR_NODE_OFFLINE_AFTER_S)
+    holds_image = Image.nodes.through.objects.filter(image_id=image.id, node_id=OuterRef("pk"))
     candidates = [
         n
-        for n in nodes_with_usage().filter(status=Node.Status.ONLINE, heartbeat_at__gte=cutoff)
+        for n in nodes_with_usage()
+        .filter(status=Node.Status.ONLINE, heartbeat_at__gte=cutoff)
+        .annotate(has_image=Exists(holds_image))
         if runtime in (n.runtimes or [])
     ]
     if not candidates:
@@ -89,8 +92,7 @@ def node_pick(*, runtime: str, cpu: float, memory_mb: int, image: Image, node_id
             raise NoCapacity(
                 "the node that holds the sandbox's volumes is offline or does not run that runtime"
             )
-    holding = set(image.nodes.values_list("id", flat=True))
-    with_image = [n for n in candidates if n.id in holding]
+    with_image = [n for n in candidates if n.has_image]
     if not with_image:
         raise NoCapacity(f"image {image.name!r} is not on any online node; build or pull it there first")
     roomy = []
@@ -105,9 +107,10 @@ def node_pick(*, runtime: str, cpu: float, memory_mb: int, image: Image, node_id
         )
     roomy.sort(key=lambda t: (t[0], t[1]), reverse=True)
     chosen = roomy[0][2]
-    # Lock so the capacity decision holds until the caller's transaction commits.
-    with transaction.atomic():
-        Node.objects.select_for_update().filter(id=chosen.id).first()
+    # Lock so the capacity decision holds until the caller's transaction commits (that
+    # transaction is the caller's: no savepoint of its own).
+    with transaction.atomic(savepoint=False):
+        Node.objects.select_for_update().filter(id=chosen.id).values_list("id").first()
     return chosen
 
 

@@ -32,7 +32,7 @@ from ..launchers.base import (
 )
 from ..launchers.images import ImageError
 from ..launchers.volumes import VolumeError
-from ..lifecycle import record_event, transition
+from ..lifecycle import record_event, transition, transition_row
 from ..models import Exec, Sandbox, Team, TeamPolicy
 from ..node import image_store, launcher_for, local_node_name
 from ..notify import wait_for_status
@@ -341,14 +341,17 @@ def sandbox_start_member(*, pool: Any) -> Sandbox:
 
 def sandbox_provision(*, sandbox_id: str) -> None:
     """Start the sandbox on this node; safe to run twice (only a pending row is claimed)."""
-    if not transition(sandbox_id, to=S.STARTING, frm=[S.PENDING]):
+    sandbox = transition_row(sandbox_id, to=S.STARTING, frm=[S.PENDING])
+    if sandbox is None:
         return
-    _boot(sandbox_id, S.STARTING)
+    _boot(sandbox_id, S.STARTING, sandbox)
 
 
-def _boot(sandbox_id: str, frm: str) -> None:
-    """Start (or start again, over its kept files) the sandbox whose row is ``frm``."""
-    sandbox = Sandbox.objects.get(id=sandbox_id)
+def _boot(sandbox_id: str, frm: str, sandbox: Sandbox | None = None) -> None:
+    """Start (or start again, over its kept files) the sandbox whose row is ``frm`` (``sandbox``:
+    that row, when the caller has just read it)."""
+    if sandbox is None:
+        sandbox = Sandbox.objects.get(id=sandbox_id)
     try:
         info = image_store().get(sandbox.image_digest)
     except ImageError:

@@ -2643,14 +2643,20 @@ static void accept_all(int listen_fd)
 
 static int open_listener(const char *path)
 {
+    /* Bound under a temporary name and renamed into place once listening: the socket's path
+     * exists only while something listens on it, so the launcher may take "the path is there"
+     * for "the agent is ready" without a round trip (a connection made then waits in the
+     * backlog for a handler), and nobody can connect between bind() and listen(). */
     struct sockaddr_un addr;
     memset(&addr, 0, sizeof addr);
     addr.sun_family = AF_UNIX;
-    if (strlen(path) >= sizeof addr.sun_path) {
-        logmsg("socket path too long (max %zu bytes): %s", sizeof addr.sun_path - 1, path);
+    static const char suffix[] = ".new";
+    if (strlen(path) + sizeof suffix > sizeof addr.sun_path) {
+        logmsg("socket path too long (max %zu bytes): %s", sizeof addr.sun_path - sizeof suffix, path);
         return -1;
     }
-    strcpy(addr.sun_path, path);
+    snprintf(addr.sun_path, sizeof addr.sun_path, "%s%s", path, suffix);
+    const char *tmp = addr.sun_path;
 
     const char *slash = strrchr(path, '/');
     if (slash && slash != path) {
@@ -2660,12 +2666,16 @@ static int open_listener(const char *path)
         mkdir_p(parent, 0755, NULL);
     }
     struct stat st;
-    if (lstat(path, &st) == 0) {
+    if (lstat(path, &st) == 0 && !S_ISSOCK(st.st_mode)) {
+        logmsg("%s exists and is not a socket; not replacing it", path);
+        return -1;
+    }
+    if (lstat(tmp, &st) == 0) {
         if (!S_ISSOCK(st.st_mode)) {
-            logmsg("%s exists and is not a socket; not replacing it", path);
+            logmsg("%s exists and is not a socket; not replacing it", tmp);
             return -1;
         }
-        unlink(path); /* stale, from an earlier run */
+        unlink(tmp); /* stale, from an earlier run */
     }
     int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
     if (fd < 0) {
@@ -2678,14 +2688,22 @@ static int open_listener(const char *path)
     int rc = bind(fd, (struct sockaddr *)&addr, sizeof addr);
     umask(old_umask);
     if (rc < 0) {
-        logmsg("bind %s: %s", path, strerror(errno));
+        logmsg("bind %s: %s", tmp, strerror(errno));
         close(fd);
         return -1;
     }
-    chmod(path, 0600);
+    chmod(tmp, 0600);
     if (listen(fd, 128) < 0) {
         logmsg("listen: %s", strerror(errno));
         close(fd);
+        unlink(tmp);
+        return -1;
+    }
+    /* Replaces a stale socket from an earlier run, if there is one. */
+    if (rename(tmp, path) < 0) {
+        logmsg("rename %s to %s: %s", tmp, path, strerror(errno));
+        close(fd);
+        unlink(tmp);
         return -1;
     }
     return fd;
