@@ -13,12 +13,17 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections import defaultdict
+from collections.abc import Callable
+from typing import TypeVar
 
 import redis.asyncio as aioredis
 from django.conf import settings
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 class Hub:
@@ -81,3 +86,25 @@ class Hub:
 
 
 hub = Hub()
+
+
+async def wait_for(channel: str, read: Callable[[], T], done: Callable[[T], bool], timeout: float) -> T:
+    """Re-read with ``read`` (a blocking call, run on the pool) until ``done`` says so or
+    ``timeout`` passes, and return the last read. It wakes on each message on ``channel``
+    through the process's one subscription (no Redis connection of its own, no thread held
+    while waiting), and re-reads at least every second in case one was lost. Subscribed before
+    the first read, so no change is missed."""
+    from runtime.aio import blocking
+
+    queue = await hub.subscribe(channel)
+    try:
+        deadline = time.monotonic() + timeout
+        while True:
+            row = await blocking(read)()
+            left = deadline - time.monotonic()
+            if done(row) or left <= 0:
+                return row
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(queue.get(), min(1.0, left))
+    finally:
+        hub.unsubscribe(channel, queue)

@@ -198,6 +198,9 @@ CELERY_WORKER_PREFETCH_MULTIPLIER = 1
 CELERY_TASK_TIME_LIMIT = env_int("HANGAR_TASK_TIME_LIMIT", 900)
 CELERY_TASK_SOFT_TIME_LIMIT = CELERY_TASK_TIME_LIMIT - 30
 CELERY_RESULT_EXPIRES = 3600
+# Only the node calls (runtime.tasks.node_op, volume_op) are waited on for an answer; every other
+# task's result would be one more Redis write per task that nobody reads.
+CELERY_TASK_IGNORE_RESULT = True
 CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
 CELERY_BEAT_SCHEDULE_FILENAME = str(DATA_DIR / "celerybeat-schedule")
 CELERY_BEAT_SCHEDULE = {

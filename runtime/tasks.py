@@ -62,12 +62,12 @@ def resume(self, sandbox_id: str) -> None:
         raise self.retry(exc=exc) from exc
 
 
-@shared_task(acks_late=False)
+@shared_task(acks_late=False, ignore_result=False)
 def node_op(op: str, sandbox_id: str, payload: dict[str, Any]) -> dict[str, Any]:
     return sandbox_services.node_op(op=op, sandbox_id=sandbox_id, payload=payload)
 
 
-@shared_task(acks_late=False)
+@shared_task(acks_late=False, ignore_result=False)
 def volume_op(op: str, volume_id: str, payload: dict[str, Any]) -> dict[str, Any]:
     from .launchers.volumes import VolumeError
     from .services import volumes as volume_services

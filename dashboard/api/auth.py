@@ -18,8 +18,11 @@ class TokenAuth(HttpBearer):
     Then the endpoint's rule (``permissions.RULES``) decides: a 403 says which role or scope
     it needs."""
 
-    # ninja awaits what this returns for async views (see __call__).
-    is_async = True
+    def __init__(self) -> None:
+        super().__init__()
+        # ninja awaits what this returns for async views (see __call__). Set after ninja's own
+        # __init__, which sets it from whether authenticate() is a coroutine function.
+        self.is_async = True
 
     def __call__(self, request: HttpRequest) -> Any:
         try:

@@ -11,8 +11,10 @@ from django.http import HttpRequest, StreamingHttpResponse
 from ninja import Query, Router, Schema
 from pydantic import Field
 
+from dashboard.live import wait_for
 from runtime.errors import Forbidden, InvalidValue
 from runtime.models import Exec, Sandbox, SandboxEvent
+from runtime.notify import sandbox_channel
 from runtime.services import sandboxes as svc
 from runtime.services import volumes as volume_svc
 from runtime.services.previews import port_expose, port_unexpose, previews_of
@@ -209,6 +211,19 @@ def _get(request: HttpRequest, sandbox_id: str) -> Sandbox:
     return svc.sandbox_get(team=_team(request), sandbox_id=sandbox_id)
 
 
+async def _answer(sandbox_id: str, statuses: tuple[str, ...], *, wait: bool) -> Sandbox:
+    """The sandbox as the answer shows it; with ``wait``, once its status is one of ``statuses``
+    (or ``HANGAR_CREATE_WAIT_S`` has passed), waiting on the event loop, not on a thread."""
+
+    def read() -> Sandbox:
+        return _full.get(id=sandbox_id)
+
+    if not wait:
+        return await blocking(read)()
+    return await wait_for(sandbox_channel(sandbox_id), read, lambda row: row.status in statuses,
+                          settings.HANGAR_CREATE_WAIT_S)  # fmt: skip
+
+
 @router.post("", response={201: SandboxOut})
 async def create_sandbox(request: HttpRequest, payload: SandboxIn):
     """Start a sandbox from an image. With `wait` (default) it answers once the sandbox is running
@@ -219,7 +234,7 @@ async def create_sandbox(request: HttpRequest, payload: SandboxIn):
             raise InvalidValue(
                 "metadata keys harness, harness_name and repo_auth are Hangar's own; use other names"
             )
-        sandbox = svc.sandbox_create(
+        return svc.sandbox_create(
             team=_team(request), user=request.auth.user, image=payload.image,  # type: ignore[attr-defined]
             runtime=payload.runtime, cpu=payload.cpu, memory_mb=payload.memory_mb,
             timeout_s=payload.timeout_s, env=payload.env, metadata=payload.metadata,
@@ -229,11 +244,12 @@ async def create_sandbox(request: HttpRequest, payload: SandboxIn):
             ports=[p if isinstance(p, int) else p.dict() for p in payload.ports],
             network=payload.network.policy() if payload.network else None,
         )  # fmt: skip
-        if payload.wait and sandbox.status not in svc.SETTLED:  # a claimed pool member already runs
-            sandbox = svc.sandbox_wait(sandbox=sandbox, timeout=settings.HANGAR_CREATE_WAIT_S)
-        return _full.get(id=sandbox.id)
 
-    return 201, await blocking(create)()
+    sandbox = await blocking(create)()
+    # A claimed pool member already runs.
+    return 201, await _answer(
+        sandbox.id, svc.SETTLED, wait=payload.wait and sandbox.status not in svc.SETTLED
+    )
 
 
 @router.get("", response=list[SandboxOut])
@@ -351,14 +367,12 @@ async def pause_sandbox(request: HttpRequest, sandbox_id: str, payload: PauseIn)
     processes and terminals opened through Hangar stream on. A paused sandbox does not
     expire; resume it, or delete it."""
 
-    def pause() -> Sandbox:
-        sandbox = svc.sandbox_pause(sandbox=_get(request, sandbox_id), mode=payload.mode)
-        if payload.wait:
-            svc.sandbox_wait(sandbox=sandbox, timeout=settings.HANGAR_CREATE_WAIT_S,
-                             statuses=[Sandbox.Status.PAUSED, Sandbox.Status.FAILED, Sandbox.Status.DELETED])  # fmt: skip
-        return _full.get(id=sandbox_id)
+    def pause() -> None:
+        svc.sandbox_pause(sandbox=_get(request, sandbox_id), mode=payload.mode)
 
-    return await blocking(pause)()
+    await blocking(pause)()
+    done = (Sandbox.Status.PAUSED, Sandbox.Status.FAILED, Sandbox.Status.DELETED)
+    return await _answer(sandbox_id, done, wait=payload.wait)
 
 
 @router.post("/{sandbox_id}/resume", response=SandboxOut)
@@ -366,13 +380,11 @@ async def resume_sandbox(request: HttpRequest, sandbox_id: str, payload: ResumeI
     """Start a paused sandbox again: over the files it had (stop mode), or restored with its
     processes (checkpoint mode). Its TTL starts afresh."""
 
-    def resume() -> Sandbox:
-        sandbox = svc.sandbox_resume(sandbox=_get(request, sandbox_id))
-        if payload.wait:
-            svc.sandbox_wait(sandbox=sandbox, timeout=settings.HANGAR_CREATE_WAIT_S)
-        return _full.get(id=sandbox_id)
+    def resume() -> None:
+        svc.sandbox_resume(sandbox=_get(request, sandbox_id))
 
-    return await blocking(resume)()
+    await blocking(resume)()
+    return await _answer(sandbox_id, svc.SETTLED, wait=payload.wait)
 
 
 @router.put("/{sandbox_id}/network", response=SandboxOut)

@@ -187,6 +187,21 @@ def test_list_is_newest_first_and_pages(api):
     assert [s["id"] for s in api.get("/sandboxes", params={"limit": 2, "offset": 2}).json()] == ids[:1]
 
 
+def test_api_answers_keep_security_headers_set_no_cookie_and_record_the_tokens_user(api):
+    """/api/ has a middleware stack of its own (dashboard/asgi.py) and checks tokens on the
+    blocking pool: the headers stay, and what a request does is still put down to the token's
+    user (the actor set on that thread reaches the view)."""
+    from runtime.models import AuditEvent
+
+    r = api.post("/sandboxes", json={"image": "busybox", "memory_mb": 256, "wait": False})
+    assert r.status_code == 201, r.text
+    assert r.headers["x-content-type-options"] == "nosniff" and r.headers["x-frame-options"] == "DENY"
+    assert "set-cookie" not in r.headers
+    created = AuditEvent.objects.get(action="sandbox.create", target=r.json()["id"])
+    assert (created.actor, created.via, created.team_name) == ("alice", "api", "alpha")
+    assert api.get("/sandboxes/sbnosuchthing").status_code == 404
+
+
 def test_static_files_are_served_by_the_app(server):
     import httpx
 
