@@ -32,14 +32,17 @@ def env_int(name: str, default: int, *, minimum: int | None = None) -> int:
     return value
 
 
-def env_float(name: str, default: float) -> float:
+def env_float(name: str, default: float, *, minimum: float | None = None) -> float:
     raw = os.environ.get(name)
     if raw is None or raw == "":
         return default
     try:
-        return float(raw)
+        value = float(raw)
     except ValueError:
         raise ImproperlyConfigured(f"{name} must be a number, got {raw!r}") from None
+    if minimum is not None and value < minimum:
+        raise ImproperlyConfigured(f"{name} must be at least {minimum:g}, got {raw!r}")
+    return value
 
 
 def env_bool(name: str, default: bool) -> bool:
@@ -229,6 +232,9 @@ HANGAR_IMAGES_DIR = Path(env_str("HANGAR_IMAGES_DIR", str(DATA_DIR / "images")))
 HANGAR_RUNTIME_DIR = Path(env_str("HANGAR_RUNTIME_DIR", str(DATA_DIR / "runtime")))
 HANGAR_VOLUMES_DIR = Path(env_str("HANGAR_VOLUMES_DIR", str(DATA_DIR / "volumes")))
 HANGAR_POOL_MAX_SIZE = env_int("HANGAR_POOL_MAX_SIZE", 20, minimum=1)
+# After a claim that leaves the pool a member ready, its refill waits this long (0: at once), so
+# booting the replacement does not take the CPU from the caller's first commands.
+HANGAR_POOL_REFILL_DELAY_S = env_float("HANGAR_POOL_REFILL_DELAY_S", 1.0, minimum=0)
 HANGAR_VOLUME_MAX_MB = env_int("HANGAR_VOLUME_MAX_MB", 100 * 1024, minimum=16)
 HANGAR_NODE_CPU = env_float("HANGAR_NODE_CPU", float(os.cpu_count() or 1))
 HANGAR_NODE_MEMORY_MB = env_int("HANGAR_NODE_MEMORY_MB", 0, minimum=0)  # 0: read from /proc/meminfo

@@ -229,12 +229,12 @@ async def create_sandbox(request: HttpRequest, payload: SandboxIn):
     """Start a sandbox from an image. With `wait` (default) it answers once the sandbox is running
     or has failed (the reason is in `status_reason`)."""
 
-    def create() -> Sandbox:
+    def create() -> tuple[Sandbox, bool]:
         if set(payload.metadata) & {"harness", "harness_name", "repo_auth"}:
             raise InvalidValue(
                 "metadata keys harness, harness_name and repo_auth are Hangar's own; use other names"
             )
-        return svc.sandbox_create(
+        sandbox = svc.sandbox_create(
             team=_team(request), user=request.auth.user, image=payload.image,  # type: ignore[attr-defined]
             runtime=payload.runtime, cpu=payload.cpu, memory_mb=payload.memory_mb,
             timeout_s=payload.timeout_s, env=payload.env, metadata=payload.metadata,
@@ -244,12 +244,14 @@ async def create_sandbox(request: HttpRequest, payload: SandboxIn):
             ports=[p if isinstance(p, int) else p.dict() for p in payload.ports],
             network=payload.network.policy() if payload.network else None,
         )  # fmt: skip
+        if payload.wait and sandbox.status not in svc.SETTLED:  # a claimed pool member already runs
+            return sandbox, True
+        return _full.get(id=sandbox.id), False
 
-    sandbox = await blocking(create)()
-    # A claimed pool member already runs.
-    return 201, await _answer(
-        sandbox.id, svc.SETTLED, wait=payload.wait and sandbox.status not in svc.SETTLED
-    )
+    sandbox, starting = await blocking(create)()
+    if starting:
+        sandbox = await _answer(sandbox.id, svc.SETTLED, wait=True)
+    return 201, sandbox
 
 
 @router.get("", response=list[SandboxOut])

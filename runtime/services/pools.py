@@ -184,11 +184,12 @@ def pool_claim(
     if pool is None:
         return None
     now = timezone.now()
-    for member_id in (
+    ready = list(
         Sandbox.objects.filter(pool=pool, claimed_at__isnull=True, status=S.RUNNING)
         .order_by("created_at")
         .values_list("id", flat=True)[:5]
-    ):
+    )
+    for n, member_id in enumerate(ready):
         fields = {**claim, "claimed_at": now, "expires_at": now + timedelta(seconds=claim["timeout_s"]),
                   "last_activity_at": now, "updated_at": now}  # fmt: skip
         with transaction.atomic():
@@ -200,9 +201,13 @@ def pool_claim(
             if on_claim is not None:
                 on_claim(member_id, pool.id)
             # Publishing a Celery message costs milliseconds: the caller waiting for its sandbox
-            # should not pay for the refill, so it is sent from a thread of its own.
-            transaction.on_commit(lambda: threading.Thread(target=_enqueue_refill, args=(pool.id,),
-                                                           daemon=True).start())  # fmt: skip
+            # should not pay for the refill, so it is sent from a thread of its own. While the
+            # pool still has a member ready, the new one starts a moment later
+            # (HANGAR_POOL_REFILL_DELAY_S): booting a sandbox takes the node's CPU for a tenth
+            # of a second or more, just when the caller runs its first commands.
+            delay = settings.HANGAR_POOL_REFILL_DELAY_S if len(ready) - n > 1 else 0
+            refill = threading.Thread(target=_enqueue_refill, args=(pool.id, delay), daemon=True)
+            transaction.on_commit(refill.start)
             return Sandbox.objects.select_related("node").get(id=member_id)
     transaction.on_commit(lambda: _enqueue_refill(pool.id))  # empty: it should not be
     return None
@@ -232,13 +237,13 @@ def claim_network(sandbox_id: str, net: dict[str, Any]) -> bool:
         return False
 
 
-def _enqueue_refill(pool_id: str) -> None:
+def _enqueue_refill(pool_id: str, delay: float = 0) -> None:
     from kombu.exceptions import OperationalError
 
     from .. import tasks
 
     try:
-        tasks.pool_refill.apply_async(args=[pool_id], queue="control", retry=True,
+        tasks.pool_refill.apply_async(args=[pool_id], queue="control", countdown=delay or None, retry=True,
                                       retry_policy={"max_retries": 3, "interval_start": 0.2})  # fmt: skip
     except OperationalError as exc:  # beat refills every pool on its next tick anyway
         log.warning("could not enqueue the refill of pool %s: %s", pool_id, exc)
