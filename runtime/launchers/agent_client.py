@@ -43,6 +43,7 @@ detached command's stream up where it stopped.
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import posixpath
 import select
@@ -64,7 +65,6 @@ INLINE_STDIN = MAX_PAYLOAD
 EXEC_TIMEOUT_MARGIN = 5.0
 
 _HEADER = struct.Struct(">cI")
-_AF_UNIX_PATH_MAX = 107
 
 FieldValue = str | bytes | int | bool
 Fields = Mapping[str, FieldValue] | Iterable[tuple[str, FieldValue]]
@@ -296,16 +296,16 @@ class AgentClient:
             return sock
 
     def _connect_path(self, sock: socket.socket) -> None:
-        path = self.socket_path
-        if len(os.fsencode(path)) <= _AF_UNIX_PATH_MAX:
-            sock.connect(path)
-            return
-        # sun_path holds 107 bytes; a deeper socket is reached through its directory's fd.
-        dir_fd = os.open(os.path.dirname(path) or ".", os.O_PATH | os.O_DIRECTORY)
+        # The socket's directory is one the sandbox writes in: never follow a symlink there
+        # (it could aim at one of the host's own sockets), and connect only to a socket.
+        # Connecting through /proc/self/fd also reaches a socket deeper than sun_path's 107 bytes.
+        fd = os.open(self.socket_path, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC)
         try:
-            sock.connect(f"/proc/self/fd/{dir_fd}/{os.path.basename(path)}")
+            if not stat.S_ISSOCK(os.fstat(fd).st_mode):
+                raise ConnectionRefusedError(errno.ECONNREFUSED, f"{self.socket_path} is not a socket")
+            sock.connect(f"/proc/self/fd/{fd}")
         finally:
-            os.close(dir_fd)
+            os.close(fd)
 
     def _request(self, kind: bytes, fields: Fields, timeout: float | None = None) -> socket.socket:
         payload = encode_fields(fields)
@@ -337,7 +337,7 @@ class AgentClient:
         deadline = time.monotonic() + timeout
         while True:
             try:
-                if stat.S_ISSOCK(os.stat(self.socket_path).st_mode):
+                if stat.S_ISSOCK(os.lstat(self.socket_path).st_mode):
                     return
             except OSError:
                 pass

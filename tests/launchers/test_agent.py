@@ -5,6 +5,7 @@ Run with: .venv/bin/python -m pytest tests/launchers/test_agent.py -p no:django 
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import re
@@ -156,6 +157,9 @@ def test_build_without_gcc_explains_how_to_install(tmp_path: Path, monkeypatch: 
 def test_socket_is_private_and_agent_announced_ready(agent: RunningAgent) -> None:
     assert stat.S_IMODE(agent.socket.stat().st_mode) == 0o600
     assert b"hangar-agent ready" in agent.log.read_bytes()
+    # Bound under a temporary name and renamed into place: the path existing means listening.
+    assert not (agent.socket.parent / "agent.sock.new").exists()
+    agent.client.wait_listening(1.0)
 
 
 # -- ping ----------------------------------------------------------------------------------
@@ -177,6 +181,38 @@ def test_missing_socket_is_unavailable(tmp_path: Path) -> None:
     with pytest.raises(AgentUnavailable):
         AgentClient(tmp_path / "nothing.sock").wait_ready(0.2)
     assert time.monotonic() - started < 2
+    with pytest.raises(AgentUnavailable):
+        AgentClient(tmp_path / "nothing.sock").wait_listening(0.05)
+
+
+def test_a_symlink_at_the_socket_path_is_never_followed(tmp_path: Path) -> None:
+    # The sandbox writes in the socket's directory: a symlink it leaves there must not lead
+    # the host's client to one of the host's own sockets.
+    host_path = tmp_path / "host.sock"
+    host = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    with contextlib.closing(host):
+        host.bind(str(host_path))
+        host.listen(4)
+        host.setblocking(False)
+        run_dir = tmp_path / "run"
+        run_dir.mkdir()
+        (run_dir / "agent.sock").symlink_to(host_path)
+        client = AgentClient(run_dir / "agent.sock", connect_timeout=0.2)
+        with pytest.raises(AgentUnavailable):
+            client.ping()
+        with pytest.raises(AgentUnavailable):
+            client.wait_listening(0.05)
+        with pytest.raises(BlockingIOError):
+            host.accept()  # nothing ever connected to the host's socket
+
+        # A real socket deeper than sun_path's 107 bytes is still reached.
+        deep = tmp_path.joinpath(*["d" * 40] * 4)
+        deep.mkdir(parents=True)
+        os.link(host_path, deep / "agent.sock")
+        assert len(os.fsencode(deep / "agent.sock")) > 107
+        with contextlib.closing(AgentClient(deep / "agent.sock")._connect(1.0)):
+            conn, _ = host.accept()
+            conn.close()
 
 
 # -- exec ----------------------------------------------------------------------------------
