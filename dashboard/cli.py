@@ -189,6 +189,10 @@ def _supervise(children: list[tuple[str, subprocess.Popen[bytes]]]) -> int:
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
     names = {proc.pid: name for name, proc in children}
+    # Woken by SIGCHLD, not a poll: an exited sandbox is reaped at once, and `runsc delete`
+    # (a pause's or a resume's) waits for just that. Blocked in this thread only, after the
+    # children started, so none of them inherits the mask.
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGCHLD})
     while not stop["signal"]:
         # Reap everything: our own children and the orphaned sandboxes we inherit.
         try:
@@ -201,7 +205,8 @@ def _supervise(children: list[tuple[str, subprocess.Popen[bytes]]]) -> int:
             )
             return 1
         if pid == 0:
-            time.sleep(0.2)
+            signal.sigtimedwait({signal.SIGCHLD}, 0.2)  # a signal to stop is seen within 0.2 s
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGCHLD})
     _say("hangar: stopping…")
     return 0
 
@@ -244,6 +249,7 @@ def cmd_node(args: argparse.Namespace) -> int:
         ("bridge", [py, "-m", "dashboard.cli", "bridge"]),
     ]  # fmt: skip
     children: list[tuple[str, subprocess.Popen[bytes]]] = []
+    _become_subreaper()
     try:
         for name, argv in specs:
             children.append((name, subprocess.Popen(argv, start_new_session=True)))
