@@ -6,6 +6,7 @@ import argparse
 import os
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -73,6 +74,8 @@ def _prepare_node(settings: Any, *, build_default_image: bool) -> None:
     from runtime.services.images import image_build, images_sync_local
     from runtime.services.nodes import node_register
 
+    _private_data_dir(Path(settings.DATA_DIR))
+
     tunnel = (
         f"{settings.HANGAR_NODE_ADDRESS}:{settings.HANGAR_TUNNEL_PORT}" if settings.HANGAR_TUNNEL_PORT else ""
     )
@@ -84,6 +87,17 @@ def _prepare_node(settings: Any, *, build_default_image: bool) -> None:
     if build_default_image and not images:
         _say("hangar: building the busybox image (first start)…")
         image_build(kind="busybox", progress=lambda line: _say(f"  {line}"))
+
+
+def _private_data_dir(data_dir: Path) -> None:
+    """The data dir holds what no other user of the host may reach: sandboxes' files and
+    bundles, volumes (whose roots a sandbox can chmod), images with their setuid binaries,
+    the SQLite database and the embedded Redis's socket. Root's alone, whatever made it."""
+    data_dir.mkdir(parents=True, exist_ok=True)
+    mode = stat.S_IMODE(data_dir.stat().st_mode)
+    if mode & 0o077:
+        data_dir.chmod(0o700)
+        _say(f"hangar: {data_dir} was open to other users (mode {mode:o}); it is now 700")
 
 
 def _version() -> str:

@@ -7,6 +7,7 @@ import re
 import select
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import time
@@ -71,6 +72,18 @@ class Up:
         return self.proc.wait(60)
 
 
+def _zombies_of(parent: int) -> list[int]:
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+        except OSError:
+            continue
+        if fields[0] == "Z" and int(fields[1]) == parent:
+            found.append(int(pid))
+    return found
+
+
 def _hangar_processes(data_dir: Path) -> list[str]:
     """Processes started by that Hangar (they carry its data dir in their environment), except
     the sandboxes, which are meant to outlive it."""
@@ -92,9 +105,12 @@ def _hangar_processes(data_dir: Path) -> list[str]:
 @requires_runsc
 def test_hangar_up_runs_stops_cleanly_and_sandboxes_survive_a_restart(tmp_path):
     data_dir = tmp_path / "data"
+    data_dir.mkdir(mode=0o755)
+    data_dir.chmod(0o755)
     up = Up(data_dir, HANGAR_NODE_TICK_S="1")
     text = "".join(up.output)
     assert "admin: admin / " in text
+    assert stat.S_IMODE(data_dir.stat().st_mode) == 0o700 and "now 700" in text  # root's alone
     # The SSH gateway into harnesses is one of the processes it starts.
     ssh_port = int(re.search(r"ssh: +port (\d+)", text).group(1))
     with socket.create_connection(("127.0.0.1", ssh_port), timeout=10) as conn:
@@ -146,6 +162,9 @@ def test_hangar_up_runs_stops_cleanly_and_sandboxes_survive_a_restart(tmp_path):
     assert out["stdout"] == "on-volume\nin-root\n", out
     assert api.delete(f"/sandboxes/{vb['id']}").status_code == 204
     wait_until(lambda: api.get(f"/sandboxes/{vb['id']}").json()["status"] == "deleted", 30, what="deleted")
+    # The sandboxes that exited (one paused, then this one) were orphans of `hangar up`, which
+    # reaps them: no zombie is left with it.
+    wait_until(lambda: not _zombies_of(up.proc.pid), 5, what="hangar up to reap its exited sandboxes")
     assert api.delete("/volumes/keep").status_code == 204  # unmounts it: nothing left on the host
     assert api.delete(f"/sandboxes/{sid}").status_code == 204
     wait_until(lambda: api.get(f"/sandboxes/{sid}").json()["status"] == "deleted", 30, what="deleted")

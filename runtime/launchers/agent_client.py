@@ -64,6 +64,10 @@ INLINE_STDIN = MAX_PAYLOAD
 # How much longer than the command's own timeout the client waits on a silent socket.
 EXEC_TIMEOUT_MARGIN = 5.0
 
+# A listing is held in memory whole, from frames the sandbox sends: at most this many entries.
+MAX_LIST_ENTRIES = 100_000
+MAX_LIST_BYTES = 64 << 20
+
 _HEADER = struct.Struct(">cI")
 
 FieldValue = str | bytes | int | bool
@@ -587,14 +591,21 @@ class AgentClient:
             return int(reply.get("size", "0"))
 
     def list_dir(self, path: str) -> list[DirEntry]:
-        """Entries of a directory, sorted by name; symlinks are reported, never followed."""
+        """Entries of a directory, sorted by name; symlinks are reported, never followed. At
+        most :data:`MAX_LIST_ENTRIES` and :data:`MAX_LIST_BYTES` (``E2BIG`` beyond): what the sandbox sends is bounded."""
         entries = []
+        received = 0
         with contextlib.closing(self._request(b"L", [("path", path)])) as sock:
             while True:
                 kind, payload = _read_frame(sock)
                 if kind != b"N":
                     _expect(kind, payload, b"K")
                     break
+                received += len(payload)
+                if len(entries) >= MAX_LIST_ENTRIES or received > MAX_LIST_BYTES:
+                    raise AgentFileError(
+                        "E2BIG", f"{path} holds more than {len(entries)} entries, too many to list at once"
+                    )
                 f = decode_fields(payload)
                 st = _stat_from(f)
                 name = f.get("name", "")

@@ -8,6 +8,7 @@ Each sandbox gets, under ``<state_dir>/sandboxes/<id>/``:
   at ``/.hangar/agent``) listens on ``run/agent.sock``. runsc runs with ``--host-uds=create``
   so that socket is a real host socket: exec and file calls are one unix-socket round trip
   instead of a ``runsc exec`` process each (~45 ms here);
+- ``log/console.log``: runsc's and the agent's stdout and stderr (a 1 MB tmpfs, as ``run/`` is);
 - ``bundle/config.json`` and ``handle.json`` (the persisted handle, for re-adoption);
 - ``checkpoint/``: while paused in checkpoint mode, the saved sandbox (``runsc checkpoint``).
 
@@ -100,10 +101,13 @@ def _wait_blocking(proc: subprocess.Popen[bytes], timeout: float) -> int | None:
     return None if expired.is_set() else returncode
 
 
-def _is_mounted(path: Path) -> bool:
-    target = str(path)
+def _mount_points() -> set[str]:
     with open("/proc/self/mountinfo") as f:
-        return any(line.split()[4] == target for line in f)
+        return {line.split()[4] for line in f}
+
+
+def _is_mounted(path: Path) -> bool:
+    return str(path) in _mount_points()
 
 
 NEWER_RUNSC = "/usr/local/lib/hangar/runsc"
@@ -295,14 +299,17 @@ class GVisorLauncher(Launcher):
             return handle
 
     def _mount_dirs(self, d: Path, spec: SandboxSpec) -> None:
-        for sub in ("upper", "work", "rootfs", "run", "bundle"):
+        for sub in ("upper", "work", "rootfs", "run", "log", "bundle"):
             (d / sub).mkdir(parents=True, exist_ok=True)
         d.chmod(0o700)  # its files and bundle (the environment, secrets included) are root's only
-        if not _is_mounted(d / "run"):
-            # The sandbox can write into this bind mount: a tiny tmpfs keeps it from filling
-            # the host's disk through it.
-            _mount("tmpfs", d / "run", "size=1m,mode=0700", MS_NOSUID | MS_NODEV | MS_NOEXEC)
-        if not _is_mounted(d / "rootfs"):
+        mounted = _mount_points()
+        # The sandbox can write into both: into run/ through its bind mount, into log/ as the
+        # agent's stdout and stderr (/proc/1/fd/2 to root in it). Tiny tmpfs mounts keep it
+        # from filling the host's disk through either.
+        for sub in ("run", "log"):
+            if str(d / sub) not in mounted:
+                _mount("tmpfs", d / sub, "size=1m,mode=0700", MS_NOSUID | MS_NODEV | MS_NOEXEC)
+        if str(d / "rootfs") not in mounted:
             _mount(
                 "overlay",
                 d / "rootfs",
@@ -334,7 +341,7 @@ class GVisorLauncher(Launcher):
         if delete and self._has_runtime_state(sandbox_id):
             _run(self._runsc("delete", "--force", sandbox_id), check=False)
         if unmount:
-            for mountpoint in (d / "rootfs", d / "run"):
+            for mountpoint in (d / "rootfs", d / "run", d / "log"):
                 _unmount(mountpoint)
         for controller_dir in _cgroup_dirs(sandbox_id):
             with contextlib.suppress(OSError):  # still busy until runsc's processes are gone
@@ -525,7 +532,7 @@ class GVisorLauncher(Launcher):
         argv = unshare_wrapper(self._runsc(*args, network=True)) if network else self._runsc(*args)
         # The sandbox inherits runsc's stdio and keeps it open for its whole life: give it a
         # log file, never a pipe we would wait on.
-        log_path = d / "console.log"
+        log_path = d / "log" / "console.log"
         with open(log_path, "ab") as log:
             start = log.tell()
             returncode = _wait_blocking(
@@ -538,8 +545,8 @@ class GVisorLauncher(Launcher):
             raise LauncherError(f"runsc {args[0]} did not finish within 120 s")
         if returncode != 0:
             with open(log_path, "rb") as log:
-                log.seek(start)
-                err = log.read().decode(errors="replace").strip()[-800:]
+                log.seek(max(start, log.seek(0, os.SEEK_END) - 800))
+                err = log.read(800).decode(errors="replace").strip()
             raise LauncherError(f"runsc {args[0]} failed: {err}")
 
     def stop(self, handle: Handle, timeout: float = 5.0) -> None:
@@ -714,7 +721,9 @@ class GVisorLauncher(Launcher):
 
     def _console_tail(self, d: Path) -> str:
         try:
-            return (d / "console.log").read_bytes()[-500:].decode(errors="replace").strip()
+            with open(d / "log" / "console.log", "rb") as log:
+                log.seek(max(0, log.seek(0, os.SEEK_END) - 500))
+                return log.read(500).decode(errors="replace").strip()
         except OSError:
             return ""
 

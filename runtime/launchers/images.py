@@ -359,6 +359,21 @@ def _normalize_member(name: str, what: str) -> list[str]:
     return parts
 
 
+def _open_dir_beneath(root: str, rel: str) -> int | None:
+    """An ``O_PATH`` fd of directory ``rel`` under ``root``, reached one component at a time
+    without following a symlink; None if any component is not a real directory (any more)."""
+    fd = os.open(root, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    for part in [] if rel in ("", ".") else rel.split("/"):
+        try:
+            child = os.open(part, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
+        except OSError:
+            os.close(fd)
+            return None
+        os.close(fd)
+        fd = child
+    return fd
+
+
 class _LayerApplier:
     """Applies one layer tar onto ``root`` with OCI whiteout semantics, confined to ``root``."""
 
@@ -447,11 +462,19 @@ class _LayerApplier:
         for member in tar:
             self.apply_member(tar, member)
         # Directory modes and times last (deepest first), so a read-only directory
-        # does not stop its own children being written.
+        # does not stop its own children being written. A later member may have replaced the
+        # directory, or one above it, with a symlink (aimed anywhere, the host's /etc say):
+        # each is reached again from the root without following any symlink, or skipped.
         for path, mode, mtime in sorted(self.dir_attrs, key=lambda a: a[0], reverse=True):
-            os.chmod(path, mode)
-            with contextlib.suppress(OSError):
-                os.utime(path, (mtime, mtime))
+            fd = _open_dir_beneath(self.root, os.path.relpath(path, self.root))
+            if fd is None:
+                continue
+            try:
+                os.chmod(f"/proc/self/fd/{fd}", mode)  # the directory the fd holds, never a link
+                with contextlib.suppress(OSError):
+                    os.utime(f"/proc/self/fd/{fd}", (mtime, mtime))
+            finally:
+                os.close(fd)
 
     def apply_member(self, tar: tarfile.TarFile, m: tarfile.TarInfo) -> None:
         parts = _normalize_member(m.name, self.label)
@@ -465,7 +488,10 @@ class _LayerApplier:
             if base == ".wh..wh..opq":
                 self.clear_opaque(parent)
             elif not base.startswith(".wh..wh."):
-                victim = os.path.join(parent, base[len(".wh.") :])
+                hidden = base[len(".wh.") :]
+                if hidden in ("", ".", ".."):
+                    raise ImageError(f"{self.label}: invalid whiteout {m.name!r} (names no file)")
+                victim = os.path.join(parent, hidden)
                 if victim not in self.unpacked and os.path.lexists(victim):
                     self.remove(victim)
             return

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 
+from runtime.launchers import agent_client
 from runtime.launchers.agent import build
 from runtime.launchers.agent.build import AgentBuildError, agent_binary
 from runtime.launchers.agent_client import (
@@ -711,6 +712,25 @@ def test_list_dir_with_many_entries(client: AgentClient, tmp_path: Path) -> None
         (tmp_path / f"f{i:04d}-{'x' * 100}").touch()
     names = [e.name for e in client.list_dir(str(tmp_path))]
     assert names == sorted(p.name for p in tmp_path.iterdir())
+
+
+def test_a_listing_past_the_clients_bounds_is_refused_not_held(
+    client: AgentClient, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The frames come from the sandbox: the client holds at most so many entries, and bytes.
+    for i in range(11):
+        (tmp_path / f"f{i:02d}").touch()
+    monkeypatch.setattr(agent_client, "MAX_LIST_ENTRIES", 11)
+    assert len(client.list_dir(str(tmp_path))) == 11
+    monkeypatch.setattr(agent_client, "MAX_LIST_ENTRIES", 10)
+    with pytest.raises(AgentFileError, match="too many to list") as exc:
+        client.list_dir(str(tmp_path))
+    assert exc.value.errno_name == "E2BIG"
+    monkeypatch.setattr(agent_client, "MAX_LIST_ENTRIES", 100)
+    monkeypatch.setattr(agent_client, "MAX_LIST_BYTES", 200)
+    with pytest.raises(AgentFileError, match="too many to list"):
+        client.list_dir(str(tmp_path))
+    assert client.ping()["version"] == "1"  # the agent goes on
 
 
 def test_stat(client: AgentClient, tmp_path: Path) -> None:

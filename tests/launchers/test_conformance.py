@@ -213,6 +213,19 @@ def test_host_files_are_not_visible(launcher, sandbox, tmp_path):
     assert r.exit_code != 0
 
 
+def test_what_the_sandbox_writes_to_its_console_cannot_fill_the_hosts_disk(launcher, sandbox):
+    # Root in the sandbox can write to PID 1's stdout and stderr, which runsc keeps in a host
+    # file: 8 MB of it must not land on the host's disk, nor stop the agent answering.
+    r = run(launcher, sandbox, "head -c 8388608 /dev/zero > /proc/1/fd/2; echo done")
+    assert r.stdout == b"done\n"
+    assert run(launcher, sandbox, "echo still here").stdout == b"still here\n"
+    if isinstance(launcher, GVisorLauncher):
+        total = sum(p.stat().st_size for p in Path(sandbox["dir"]).rglob("*") if p.is_file()
+                    and not p.is_relative_to(Path(sandbox["dir"]) / "rootfs"))  # fmt: skip
+        assert total < 2 << 20, total
+        assert len(launcher._console_tail(Path(sandbox["dir"]))) <= 500
+
+
 def test_host_processes_are_not_visible(launcher, sandbox):
     sleeper = subprocess.Popen(["sleep", "3600"], start_new_session=True)
     try:

@@ -70,9 +70,9 @@ def leftovers(store: ImageStore) -> list[str]:
     return found
 
 
-def snapshot(directory: Path) -> dict[str, tuple[int, int, bytes | str | None]]:
-    """Every entry under ``directory`` with mode, link count and content / link target."""
-    result: dict[str, tuple[int, int, bytes | str | None]] = {}
+def snapshot(directory: Path) -> dict[str, tuple[int, int, int, bytes | str | None]]:
+    """Every entry under ``directory`` with mode, link count, mtime and content / link target."""
+    result: dict[str, tuple[int, int, int, bytes | str | None]] = {}
     for dirpath, dirnames, filenames in os.walk(directory):
         for name in dirnames + filenames:
             p = Path(dirpath) / name
@@ -82,7 +82,7 @@ def snapshot(directory: Path) -> dict[str, tuple[int, int, bytes | str | None]]:
                 content = p.read_bytes()
             elif stat.S_ISLNK(st.st_mode):
                 content = os.readlink(p)
-            result[str(p.relative_to(directory))] = (st.st_mode, st.st_nlink, content)
+            result[str(p.relative_to(directory))] = (st.st_mode, st.st_nlink, st.st_mtime_ns, content)
     return result
 
 
@@ -519,6 +519,15 @@ def _symlink_cases(outside: Path) -> dict[str, tuple[list[list[object]], str | N
         "opaque-through-symlink": ([[S("evil", str(outside))], [F("evil/.wh..wh..opq", "")]], None),
         "whiteout-dotdot": ([[F("../.wh.secret", "")]], "leaves the image root"),
         "symlink-loop": ([[S("l1", "l2"), S("l2", "l1"), F("l1/x", "x")]], "symbolic links"),
+        # A directory's mode and time are set after the whole layer: by then a later member
+        # may have made it, or a directory above it, a symlink out of the rootfs.
+        "dir-mode-then-symlink": ([[D("x", mode=0o6777), S("x", str(outside / "keep"))]], None),
+        "parent-dir-mode-then-symlink": (
+            [[D("p"), D("p/keep", mode=0o777), D("p/keep/file", mode=0o777), S("p", str(outside))]],
+            None,
+        ),
+        "whiteout-of-dot": ([[D("d"), F("d/.wh..", "")]], "invalid whiteout"),
+        "whiteout-of-dotdot": ([[D("d"), F("d/.wh...", "")]], "invalid whiteout"),
     }
 
 
