@@ -21,6 +21,8 @@ from typing import TypeVar
 import redis.asyncio as aioredis
 from django.conf import settings
 
+from runtime.aio import blocking
+
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
@@ -94,8 +96,6 @@ async def wait_for(channel: str, read: Callable[[], T], done: Callable[[T], bool
     through the process's one subscription (no Redis connection of its own, no thread held
     while waiting), and re-reads at least every second in case one was lost. Subscribed before
     the first read, so no change is missed."""
-    from runtime.aio import blocking
-
     queue = await hub.subscribe(channel)
     try:
         deadline = time.monotonic() + timeout

@@ -341,8 +341,10 @@ class GVisorLauncher(Launcher):
         if delete and self._has_runtime_state(sandbox_id):
             _run(self._runsc("delete", "--force", sandbox_id), check=False)
         if unmount:
+            mounted = _mount_points()  # one read of the mount table, not one per mount point
             for mountpoint in (d / "rootfs", d / "run", d / "log"):
-                _unmount(mountpoint)
+                if str(mountpoint) in mounted:
+                    _unmount(mountpoint)
         for controller_dir in _cgroup_dirs(sandbox_id):
             with contextlib.suppress(OSError):  # still busy until runsc's processes are gone
                 controller_dir.rmdir()
@@ -488,9 +490,8 @@ class GVisorLauncher(Launcher):
     def _release_checkpointed(self, sandbox_id: str) -> None:
         with file_lock(self.sandboxes_dir / f".{sandbox_id}.lock"):
             # Only while it is still checkpointed: a restore may have been quicker.
-            if (self._dir(sandbox_id) / "checkpoint" / "checkpoint.img").exists() and self._runtime_status(
-                sandbox_id
-            ) != "running":
+            saved = self._dir(sandbox_id) / "checkpoint" / "checkpoint.img"
+            if saved.exists() and self._runtime_status(sandbox_id) != "running":
                 self._release(sandbox_id, keep_lease=True, unmount=False)
 
     def _relisten_and_wait(self, sandbox_id: str, handle: Handle, timeout: float) -> None:
