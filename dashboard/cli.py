@@ -70,7 +70,8 @@ def _start_embedded_redis(data_dir: Path) -> subprocess.Popen[bytes]:
 
 
 def _prepare_node(settings: Any, *, build_default_image: bool) -> None:
-    from runtime.node import local_node_name, local_runtimes, node_memory_mb
+    from runtime.launchers.base import LauncherError
+    from runtime.node import launcher_for, local_node_name, local_runtimes, node_memory_mb
     from runtime.services.images import image_build, images_sync_local
     from runtime.services.nodes import node_register
 
@@ -84,6 +85,11 @@ def _prepare_node(settings: Any, *, build_default_image: bool) -> None:
         version=_version(), tunnel_address=tunnel,
     )  # fmt: skip
     images = images_sync_local()
+    for runtime in local_runtimes():
+        try:
+            launcher_for(runtime).prepare()  # so the first create does not wait for it
+        except LauncherError as exc:
+            _say(f"hangar: warning: the {runtime} runtime could not prepare: {exc}")
     if build_default_image and not images:
         _say("hangar: building the busybox image (first start)…")
         image_build(kind="busybox", progress=lambda line: _say(f"  {line}"))

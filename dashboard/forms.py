@@ -13,6 +13,11 @@ class SandboxCreateForm(forms.Form):
     memory_mb = forms.IntegerField(
         label="Memory (MB)", initial=512, widget=forms.NumberInput(attrs={"step": "64"})
     )
+    disk_mb = forms.IntegerField(
+        label="Disk (MB)", required=False,
+        widget=forms.NumberInput(attrs={"step": "1024", "placeholder": "node default"}),
+        help_text="holds every file it writes outside volumes",
+    )  # fmt: skip
     timeout_s = forms.IntegerField(label="TTL (seconds)", initial=3600)
     on_expire = forms.ChoiceField(
         label="When the TTL runs out", initial="destroy", required=False,
@@ -50,6 +55,7 @@ class SandboxCreateForm(forms.Form):
     _MESSAGE_FIELDS = (
         ("cpu", "cpu"),
         ("memory_mb", "memory_mb"),
+        ("disk_mb", "disk_mb"),
         ("timeout_s", "timeout_s"),
         ("idle_timeout_s", "idle_timeout_s"),
         ("on_expire", "on_expire"),

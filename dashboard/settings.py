@@ -245,6 +245,23 @@ HANGAR_SANDBOX_MIN_MEMORY_MB = env_int("HANGAR_SANDBOX_MIN_MEMORY_MB", 128, mini
 HANGAR_SANDBOX_MAX_MEMORY_MB = env_int("HANGAR_SANDBOX_MAX_MEMORY_MB", 16384, minimum=16)
 HANGAR_SANDBOX_MAX_CPU = env_float("HANGAR_SANDBOX_MAX_CPU", 16.0)
 HANGAR_SANDBOX_MAX_TIMEOUT_S = env_int("HANGAR_SANDBOX_MAX_TIMEOUT_S", 86400, minimum=1)
+# A sandbox's writable layer (every file it writes outside its volumes) is a filesystem of its
+# own of disk_mb, this size unless the create asks for another: a write past it fails inside
+# the sandbox (ENOSPC) and the node's disk is never filled. Sparse, so it costs the node only
+# what is written. 0: sandboxes that ask for no size write to the node's filesystem, unlimited.
+HANGAR_SANDBOX_DISK_MB = env_int("HANGAR_SANDBOX_DISK_MB", 10 * 1024, minimum=0)
+HANGAR_SANDBOX_MIN_DISK_MB = 64
+HANGAR_SANDBOX_MAX_DISK_MB = env_int(
+    "HANGAR_SANDBOX_MAX_DISK_MB", 100 * 1024, minimum=HANGAR_SANDBOX_MIN_DISK_MB
+)
+if (
+    HANGAR_SANDBOX_DISK_MB
+    and not HANGAR_SANDBOX_MIN_DISK_MB <= HANGAR_SANDBOX_DISK_MB <= HANGAR_SANDBOX_MAX_DISK_MB
+):
+    raise ImproperlyConfigured(
+        f"HANGAR_SANDBOX_DISK_MB must be 0 or between {HANGAR_SANDBOX_MIN_DISK_MB} and HANGAR_SANDBOX_MAX_DISK_MB "
+        f"({HANGAR_SANDBOX_MAX_DISK_MB}), got {HANGAR_SANDBOX_DISK_MB}"
+    )
 HANGAR_EXEC_MAX_TIMEOUT_S = env_int("HANGAR_EXEC_MAX_TIMEOUT_S", 3600, minimum=1)
 HANGAR_EXEC_KEEP_OUTPUT_BYTES = env_int("HANGAR_EXEC_KEEP_OUTPUT_BYTES", 64 * 1024, minimum=0)
 HANGAR_EXEC_MAX_OUTPUT_BYTES = env_int("HANGAR_EXEC_MAX_OUTPUT_BYTES", 64 * 1024 * 1024, minimum=1024)

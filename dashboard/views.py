@@ -263,6 +263,7 @@ def sandboxes(request: HttpRequest) -> HttpResponse:
                     pause_mode=data.get("pause_mode") or "stop", secrets=list(data.get("secrets") or []),
                     network={"egress": data.get("egress") or "none",
                              "allow": (data.get("allow") or "").replace(",", " ").split()},
+                    disk_mb=data.get("disk_mb"),
                 )  # fmt: skip
             except ServiceError as exc:
                 form.add_service_error(exc.message)

@@ -178,6 +178,10 @@ class Volume(models.Model):
         return self.name
 
 
+def default_disk_mb() -> int:
+    return int(settings.HANGAR_SANDBOX_DISK_MB)
+
+
 class Pool(models.Model):
     """A warm pool: ``size`` sandboxes of one spec kept started and unclaimed for the team."""
 
@@ -187,6 +191,7 @@ class Pool(models.Model):
     runtime = models.CharField(max_length=32, default="gvisor")
     cpu = models.FloatField(default=1.0)
     memory_mb = models.IntegerField(default=512)
+    disk_mb = models.IntegerField(default=default_disk_mb)
     # Members start with a network of their own and nothing let out; a claim puts the
     # caller's egress policy in force (creates with a network claim only from such pools).
     network = models.BooleanField(default=False)
@@ -225,6 +230,8 @@ class Sandbox(models.Model):
     status_reason = models.TextField(blank=True)
     cpu = models.FloatField(default=1.0)
     memory_mb = models.IntegerField(default=512)
+    # The size of its own writable layer; 0: none of its own (the node's filesystem, no limit).
+    disk_mb = models.IntegerField(default=default_disk_mb)
     timeout_s = models.IntegerField(default=300)
     env = models.JSONField(default=dict)
     metadata = models.JSONField(default=dict)

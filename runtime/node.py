@@ -32,6 +32,7 @@ def launcher_for(runtime: str) -> Launcher:
             network_exceptions=tuple(settings.HANGAR_NETWORK_EXCEPTIONS),
             network_nameservers=tuple(settings.HANGAR_NETWORK_NAMESERVERS),
             gateway_port=settings.HANGAR_SANDBOX_GATEWAY_PORT,
+            disk_mb=settings.HANGAR_SANDBOX_DISK_MB,
         )
     return get_launcher(runtime, state_dir=str(settings.HANGAR_RUNTIME_DIR / runtime))
 

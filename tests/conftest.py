@@ -53,6 +53,20 @@ logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per request drown
 ARTIFACTS = Path(os.environ.get("HANGAR_TEST_ARTIFACTS", ROOT / "test-artifacts"))
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _no_mount_outlives_the_run(tmp_path_factory) -> Iterator[None]:
+    """Set up first, so torn down last (after the worker): whatever a failed test left mounted
+    under the run's directories (sandbox disks are loop mounts) is unmounted."""
+    yield
+    from django.conf import settings
+
+    roots = (str(tmp_path_factory.getbasetemp()) + "/", str(settings.DATA_DIR) + "/")
+    with open("/proc/self/mountinfo") as f:
+        points = [line.split()[4] for line in f]
+    for point in sorted((p for p in points if p.startswith(roots)), key=len, reverse=True):
+        subprocess.run(["umount", "-l", point], capture_output=True)
+
+
 @pytest.fixture(scope="session")
 def agent_cache_dir(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("agent-bin")

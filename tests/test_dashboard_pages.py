@@ -297,6 +297,9 @@ def test_create_form_shows_the_services_validation_errors_and_keeps_the_values(c
     r = client.post("/sandboxes/", {**form, "memory_mb": "512", "env": "no equals sign"})
     assert r.status_code == 422 and "expected KEY=VALUE" in r.content.decode()
 
+    r = client.post("/sandboxes/", {**form, "memory_mb": "512", "disk_mb": "8"})
+    assert r.status_code == 422 and "disk_mb must be between 64 and 102400, got 8" in r.content.decode()
+
     r = client.post("/sandboxes/", {**form, "cpu": "lots"})
     assert r.status_code == 422 and "Enter a number" in r.content.decode()
     assert not Sandbox.objects.exists()
@@ -316,13 +319,13 @@ def test_create_redirects_to_the_sandbox_page_which_shows_it_starting(client, an
     Image.objects.create(name="busybox", digest="sha256:" + "a" * 64).nodes.add(node)
     r = client.post("/sandboxes/", {"image": "busybox", "runtime": "gvisor", "cpu": "0.5", "memory_mb": "256",
                                     "timeout_s": "900", "env": "A=1\nB=two=2\n", "on_expire": "pause",
-                                    "idle_timeout_s": "600"})  # fmt: skip
+                                    "idle_timeout_s": "600", "disk_mb": "2048"})  # fmt: skip
     sandbox = Sandbox.objects.get(team=alpha)
     assert r.status_code == 302 and r["Location"] == f"/sandboxes/{sandbox.id}/"
     assert sandbox.env == {"A": "1", "B": "two=2"} and sandbox.memory_mb == 256 and sandbox.cpu == 0.5
-    assert sandbox.on_expire == "pause" and sandbox.idle_timeout_s == 600
+    assert sandbox.on_expire == "pause" and sandbox.idle_timeout_s == 600 and sandbox.disk_mb == 2048
     page = client.get(r["Location"]).content.decode()
-    assert "paused after 600 s" in page and "then paused" in page
+    assert "paused after 600 s" in page and "then paused" in page and "<dt>Disk</dt><dd>2048 MB</dd>" in page
     assert "Scheduled on node" in page and 'id="sb-progress"' in page and "spinner" in page
     assert f'ws-connect="/ws/ui/sandboxes/{sandbox.id}?after=' in page
 

@@ -1,4 +1,4 @@
-"""/api/v1/pools: warm pools. A `POST /sandboxes` whose image, runtime, cpu and memory_mb match
+"""/api/v1/pools: warm pools. A `POST /sandboxes` whose image, runtime, cpu, memory_mb and disk_mb match
 a pool of the team (and that attaches no volumes and is not ephemeral) claims a started member
 at once; the pool refills in the background. A create with a network claims from a pool with
 ``network: true`` (members with a namespace of their own; the claim sets the policy)."""
@@ -24,6 +24,7 @@ class PoolIn(Schema):
     runtime: str = "gvisor"
     cpu: float = 1.0
     memory_mb: int = 512
+    disk_mb: int | None = Field(None, description="members' disk size; default HANGAR_SANDBOX_DISK_MB")
     size: int = Field(description="how many started, unclaimed sandboxes to keep")
     network: bool = Field(
         default=False,
@@ -42,6 +43,7 @@ class PoolOut(Schema):
     runtime: str
     cpu: float
     memory_mb: int
+    disk_mb: int
     network: bool
     size: int
     ready: int = Field(description="members started and waiting to be claimed")
@@ -54,7 +56,7 @@ def _out(pool: Pool) -> PoolOut:
     fill = pool_svc.pool_fill(pool)
     return PoolOut(
         id=pool.id, image=pool.image, runtime=pool.runtime, cpu=pool.cpu, memory_mb=pool.memory_mb,
-        network=pool.network, size=pool.size, ready=fill["ready"], starting=fill["starting"], last_error=pool.last_error,
+        disk_mb=pool.disk_mb, network=pool.network, size=pool.size, ready=fill["ready"], starting=fill["starting"], last_error=pool.last_error,
         created_at=pool.created_at,
     )  # fmt: skip
 
@@ -69,6 +71,7 @@ async def create_pool(request: HttpRequest, payload: PoolIn):
         pool = pool_svc.pool_create(
             team=_team(request), user=request.auth.user, image=payload.image, runtime=payload.runtime,  # type: ignore[attr-defined]
             cpu=payload.cpu, memory_mb=payload.memory_mb, size=payload.size, network=payload.network,
+            disk_mb=payload.disk_mb,
         )  # fmt: skip
         return _out(pool)
 

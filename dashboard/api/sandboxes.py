@@ -65,6 +65,11 @@ class SandboxIn(Schema):
     runtime: str = "gvisor"
     cpu: float = 1.0
     memory_mb: int = 512
+    disk_mb: int | None = Field(
+        None,
+        description="size of its own disk, which holds every file it writes outside volumes (a write past "
+        "it fails inside with ENOSPC); default HANGAR_SANDBOX_DISK_MB (10240)",
+    )
     timeout_s: int = 300
     env: dict[str, str] = {}
     secrets: list[str] = Field(
@@ -98,6 +103,7 @@ class SandboxOut(Schema):
     node: str | None
     cpu: float
     memory_mb: int
+    disk_mb: int = Field(description="size of its own disk (0: none, the node's filesystem with no limit)")
     timeout_s: int
     created_at: datetime
     started_at: datetime | None
@@ -242,7 +248,7 @@ async def create_sandbox(request: HttpRequest, payload: SandboxIn):
             ephemeral=payload.ephemeral, on_expire=payload.on_expire, idle_timeout_s=payload.idle_timeout_s,
             pause_mode=payload.pause_mode, secrets=payload.secrets, auto_resume=payload.auto_resume,
             ports=[p if isinstance(p, int) else p.dict() for p in payload.ports],
-            network=payload.network.policy() if payload.network else None,
+            network=payload.network.policy() if payload.network else None, disk_mb=payload.disk_mb,
         )  # fmt: skip
         if payload.wait and sandbox.status not in svc.SETTLED:  # a claimed pool member already runs
             return sandbox, True
@@ -491,11 +497,15 @@ class StatsOut(Schema):
     memory_bytes: int
     memory_limit_bytes: int
     pids: int
+    disk_bytes: int = Field(description="used on its own disk")
+    disk_limit_bytes: int = Field(
+        description="what its own disk holds (its size less the filesystem's own); 0: no limit"
+    )
 
 
 @router.get("/{sandbox_id}/stats", response=StatsOut)
 async def get_stats(request: HttpRequest, sandbox_id: str):
-    """CPU time used so far and memory in use now (409 unless running)."""
+    """CPU time used so far, memory and disk in use now (409 unless running)."""
     return await blocking(lambda: svc.sandbox_stats(sandbox=_get(request, sandbox_id)))()
 
 

@@ -64,6 +64,9 @@ class SandboxSpec:
     # The egress policy, {"egress": "none" | "allowlist" | "all", "allow": [...]}; with
     # egress other than none the sandbox gets a network of its own (see network.py).
     network: dict[str, Any] | None = None
+    # The size of its writable layer (every file it writes outside volumes): None for the
+    # launcher's default, 0 for no limit of its own (the node's filesystem is the limit).
+    disk_mb: int | None = None
 
 
 @dataclass
@@ -162,6 +165,8 @@ class Stats:
     memory_bytes: int
     memory_limit_bytes: int
     pids: int = 0
+    disk_bytes: int = 0  # used by its writable layer (0 when unknown)
+    disk_limit_bytes: int = 0  # 0: no limit of its own
 
 
 Handle = dict[str, Any]
@@ -237,6 +242,11 @@ class Launcher(abc.ABC):
         """Remove network leftovers of sandboxes not in ``live`` (id → policy) and refresh the
         pinned names of those that are; returns the ids cleaned up."""
         return []
+
+    def prepare(self) -> None:
+        """Make ahead of time what creates will need (a disk template, say); idempotent,
+        called when the node starts."""
+        return None
 
     @abc.abstractmethod
     def destroy(self, handle: Handle) -> None:

@@ -2,8 +2,11 @@
 
 Each sandbox gets, under ``<state_dir>/sandboxes/<id>/``:
 
-- ``upper/``, ``work/``, ``rootfs/``: an overlayfs whose lower dir is the cached image, so the
-  image is shared copy-on-write and never written by a sandbox;
+- ``rootfs/``: an overlayfs whose lower dir is the cached image, so the image is shared
+  copy-on-write and never written by a sandbox; its ``upper/`` and ``work/`` dirs are on:
+- ``disk/``: the sandbox's own ext4 filesystem of ``disk_mb`` (see disks.py), mounted at
+  ``disk/fs``, so what it writes can never fill the node's disk (a sandbox created with no
+  disk of its own, ``disk_mb=0``, has them in its directory instead);
 - ``run/``: bind-mounted at ``/.hangar/run``; the guest agent (PID 1, bind-mounted read-only
   at ``/.hangar/agent``) listens on ``run/agent.sock``. runsc runs with ``--host-uds=create``
   so that socket is a real host socket: exec and file calls are one unix-socket round trip
@@ -31,7 +34,7 @@ from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
-from . import agent_client
+from . import agent_client, disks
 from .agent.build import agent_binary
 from .base import (
     ExecRequest,
@@ -140,8 +143,10 @@ class GVisorLauncher(Launcher):
         network_exceptions: tuple[str, ...] = (),
         network_nameservers: tuple[str, ...] = (),
         gateway_port: int = 0,
+        disk_mb: int = 10240,
     ) -> None:
         self.state_dir = Path(state_dir)
+        self.disks = disks.Disks(self.state_dir / "disks", default_mb=disk_mb)
         self.network = Network(self.state_dir, pool=network_pool, exceptions=network_exceptions,
                                nameservers=network_nameservers, gateway_port=gateway_port)  # fmt: skip
         self.root = self.state_dir / "runsc-root"
@@ -299,9 +304,18 @@ class GVisorLauncher(Launcher):
             return handle
 
     def _mount_dirs(self, d: Path, spec: SandboxSpec) -> None:
-        for sub in ("upper", "work", "rootfs", "run", "log", "bundle"):
+        for sub in ("rootfs", "run", "log", "bundle"):
             (d / sub).mkdir(parents=True, exist_ok=True)
         d.chmod(0o700)  # its files and bundle (the environment, secrets included) are root's only
+        disk = d / "disk"
+        size = self.disks.default_mb if spec.disk_mb is None else spec.disk_mb
+        if disk.exists():
+            disks.mount(disk)  # its own, kept since it was made (a pause, a reboot)
+        elif size and not (d / "upper").exists():  # (one with files of its own keeps them)
+            self.disks.make(disk, size)
+        layers = _layers(d)
+        for sub in ("upper", "work"):
+            (layers / sub).mkdir(exist_ok=True)
         mounted = _mount_points()
         # The sandbox can write into both: into run/ through its bind mount, into log/ as the
         # agent's stdout and stderr (/proc/1/fd/2 to root in it). Tiny tmpfs mounts keep it
@@ -313,7 +327,7 @@ class GVisorLauncher(Launcher):
             _mount(
                 "overlay",
                 d / "rootfs",
-                f"lowerdir={spec.rootfs},upperdir={d / 'upper'},workdir={d / 'work'}",
+                f"lowerdir={spec.rootfs},upperdir={layers / 'upper'},workdir={layers / 'work'}",
             )
 
     def _new_handle(self, spec: SandboxSpec) -> Handle:
@@ -328,11 +342,14 @@ class GVisorLauncher(Launcher):
             "cpu": spec.cpu,
         }
 
+    def prepare(self) -> None:
+        self.disks.prepare()  # the default size's template: the first create need not format it
+
     def _release(
         self, sandbox_id: str, delete: bool = True, keep_lease: bool = False, unmount: bool = True
     ) -> None:
         """Free what create() (or restore()) makes again: the runsc container, the mounts, the
-        cgroup, the handle, the network's namespace and rules. Files (upper/) and a checkpoint
+        cgroup, the handle, the network's namespace and rules. Files (its disk) and a checkpoint
         stay. Lock held. Without ``delete``, runsc's record of a sandbox that has exited is
         left for later; without ``unmount`` its root filesystem and agent directory stay mounted
         (for a restore); with ``keep_lease``, its network addresses stay its own (a checkpoint
@@ -564,7 +581,9 @@ class GVisorLauncher(Launcher):
 
     def suspend(self, sandbox_id: str, keep_files: bool = True) -> None:
         # What create() makes again from the spec goes (the runsc container, the mounts, the
-        # cgroup); the overlay's upper dir, which holds every file the sandbox wrote, stays.
+        # cgroup); its disk, which holds every file the sandbox wrote, stays, and stays
+        # mounted: unmounting would wait for the writeback of everything it wrote (seconds,
+        # for a sandbox that wrote gigabytes), and a mounted disk costs the node next to nothing.
         with file_lock(self.sandboxes_dir / f".{sandbox_id}.lock"):
             d = self._dir(sandbox_id)
             if self._has_runtime_state(sandbox_id):
@@ -576,7 +595,8 @@ class GVisorLauncher(Launcher):
             for saved in ("checkpoint", "checkpoint.partial"):  # a checkpoint that did not hold
                 shutil.rmtree(d / saved, ignore_errors=True)
             if not keep_files:
-                for sub in ("upper", "work"):
+                disks.remove(d / "disk")
+                for sub in ("upper", "work"):  # a sandbox with no disk of its own
                     shutil.rmtree(d / sub, ignore_errors=True)
 
     def destroy(self, handle: Handle) -> None:
@@ -638,6 +658,8 @@ class GVisorLauncher(Launcher):
 
     def _destroy_locked(self, sandbox_id: str) -> None:
         self._release(sandbox_id)  # delete --force kills whatever still runs first
+        for disk in ("disk", ".disk.making"):  # mounted: rmtree would empty it, then fail
+            disks.remove(self._dir(sandbox_id) / disk)
         shutil.rmtree(self._dir(sandbox_id), ignore_errors=True)
 
     # -- inspection -----------------------------------------------------------------------
@@ -713,11 +735,16 @@ class GVisorLauncher(Launcher):
             raise LauncherError("runsc events returned no stats") from exc
         cpu = data.get("cpu", {}).get("usage", {}).get("total", 0)
         memory = data.get("memory", {}).get("usage", {})
+        disk_used = disk_total = 0
+        with contextlib.suppress(OSError):
+            disk_used, disk_total = disks.usage(self._dir(handle["id"]) / "disk")
         return Stats(
             cpu_seconds=cpu / 1e9,
             memory_bytes=int(memory.get("usage", 0)),
             memory_limit_bytes=int(handle.get("memory_mb", 0)) * 1024 * 1024,
             pids=int(data.get("pids", {}).get("current", 0)),
+            disk_bytes=disk_used,
+            disk_limit_bytes=disk_total,
         )
 
     def _console_tail(self, d: Path) -> str:
@@ -888,6 +915,11 @@ def _unmount(path: Path) -> None:
             time.sleep(0.05)
     if _is_mounted(path):
         _libc.umount2(str(path).encode(), MNT_DETACH)
+
+
+def _layers(d: Path) -> Path:
+    """Where a sandbox's overlay has its upper/ (its files) and work/ dirs."""
+    return d / "disk" / disks.MOUNT if (d / "disk").exists() else d
 
 
 def _cgroup_roots() -> list[Path]:

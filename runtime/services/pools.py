@@ -67,10 +67,12 @@ def pool_create(
     memory_mb: int = 512,
     size: int = 1,
     network: bool = False,
+    disk_mb: int | None = None,
 ) -> Pool:
-    from .sandboxes import _validate_limits, validate_network
+    from .sandboxes import _validate_limits, resolve_disk_mb, validate_network
 
     _validate_limits(cpu=cpu, memory_mb=memory_mb, timeout_s=60)
+    disk_mb = resolve_disk_mb(disk_mb)
     if not isinstance(network, bool):
         raise InvalidValue("network is true or false (whether members start with a network of their own)")
     if network:
@@ -80,13 +82,19 @@ def pool_create(
         raise InvalidValue(f"size must be between 1 and {limit}, got {size}")
     image_row = image_resolve(image)
     same = Pool.objects.filter(
-        team=team, image=image_row.name, runtime=runtime, cpu=cpu, memory_mb=memory_mb, network=network
+        team=team,
+        image=image_row.name,
+        runtime=runtime,
+        cpu=cpu,
+        memory_mb=memory_mb,
+        disk_mb=disk_mb,
+        network=network,
     ).first()
     if same is not None:
         raise Conflict(f"pool {same.id} already keeps this spec warm; change its size instead", pool=same.id)
     pool = Pool.objects.create(
-        team=team, image=image_row.name, runtime=runtime, cpu=cpu, memory_mb=memory_mb, size=size,
-        network=network, created_by=user if user is not None and getattr(user, "is_authenticated", False) else None,
+        team=team, image=image_row.name, runtime=runtime, cpu=cpu, memory_mb=memory_mb, disk_mb=disk_mb,
+        size=size, network=network, created_by=user if user is not None and getattr(user, "is_authenticated", False) else None,
     )  # fmt: skip
     audit.record(
         "pool.create",
@@ -95,6 +103,7 @@ def pool_create(
         image=pool.image,
         cpu=cpu,
         memory_mb=memory_mb,
+        disk_mb=disk_mb,
         size=size,
         network=network,
     )
@@ -170,6 +179,7 @@ def pool_claim(
     cpu: float,
     memory_mb: int,
     claim: dict[str, Any],
+    disk_mb: int | None = None,
     network: bool = False,
     on_claim: Callable[[str, str], None] | None = None,
 ) -> Sandbox | None:
@@ -179,7 +189,13 @@ def pool_claim(
     force (:func:`claim_network`) once the claim is committed. The claim, its event and
     ``on_claim(member_id, pool_id)`` (the caller's audit record) commit together."""
     pool = Pool.objects.filter(
-        team=team, image=image, runtime=runtime, cpu=cpu, memory_mb=memory_mb, network=network
+        team=team,
+        image=image,
+        runtime=runtime,
+        cpu=cpu,
+        memory_mb=memory_mb,
+        network=network,
+        disk_mb=settings.HANGAR_SANDBOX_DISK_MB if disk_mb is None else disk_mb,
     ).first()
     if pool is None:
         return None

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import dataclasses
 import logging
 import posixpath
 from collections.abc import Iterable, Iterator
@@ -74,6 +75,16 @@ def sandbox_get(*, team: Team, sandbox_id: str) -> Sandbox:
 
 
 # -- create -----------------------------------------------------------------------------------
+
+
+def resolve_disk_mb(disk_mb: int | None) -> int:
+    """The size of a new sandbox's own disk: ``disk_mb`` checked, or the node's default."""
+    if disk_mb is None:
+        return int(settings.HANGAR_SANDBOX_DISK_MB)
+    lo, hi = settings.HANGAR_SANDBOX_MIN_DISK_MB, settings.HANGAR_SANDBOX_MAX_DISK_MB
+    if isinstance(disk_mb, bool) or not isinstance(disk_mb, int) or not lo <= disk_mb <= hi:
+        raise InvalidValue(f"disk_mb must be between {lo} and {hi}, got {disk_mb}")
+    return disk_mb
 
 
 def _validate_limits(*, cpu: float, memory_mb: int, timeout_s: int) -> None:
@@ -196,11 +207,13 @@ def sandbox_create(
     ports: list[Any] | None = None,
     auto_resume: bool = False,
     network: dict[str, Any] | None = None,
+    disk_mb: int | None = None,
 ) -> Sandbox:
     """Write a pending sandbox on a node with room (the node of its volumes, if it attaches
     any) and enqueue its provisioning on that node."""
     env = env or {}
     _validate_limits(cpu=cpu, memory_mb=memory_mb, timeout_s=timeout_s)
+    disk_mb = resolve_disk_mb(disk_mb)
     _validate_env(env)
     if on_expire not in (ON_EXPIRE_PAUSE, ON_EXPIRE_DESTROY):
         raise InvalidValue(f"on_expire must be pause or destroy, got {on_expire!r}")
@@ -231,7 +244,7 @@ def sandbox_create(
                          memory_mb=memory_mb, pool=pool_id, secrets=secret_names)  # fmt: skip
 
         claimed = pool_claim(
-            team=team, image=image_row.name, runtime=runtime, cpu=cpu, memory_mb=memory_mb,
+            team=team, image=image_row.name, runtime=runtime, cpu=cpu, memory_mb=memory_mb, disk_mb=disk_mb,
             claim={"env": env, "metadata": metadata or {}, "timeout_s": timeout_s, "on_expire": on_expire,
                    "idle_timeout_s": idle_timeout_s, "pause_mode": pause_mode, "secrets": secret_names,
                    "ports": port_list, "auto_resume": auto_resume,
@@ -265,6 +278,7 @@ def sandbox_create(
             node=node,
             cpu=cpu,
             memory_mb=memory_mb,
+            disk_mb=disk_mb,
             timeout_s=timeout_s,
             env=env,
             secrets=secret_names,
@@ -330,7 +344,7 @@ def sandbox_start_member(*, pool: Any) -> Sandbox:
         node = node_pick(runtime=pool.runtime, cpu=pool.cpu, memory_mb=pool.memory_mb, image=image_row)
         sandbox = Sandbox.objects.create(
             team=pool.team, image=image_row.name, image_digest=image_row.digest, runtime=pool.runtime,
-            node=node, cpu=pool.cpu, memory_mb=pool.memory_mb, pool=pool, expires_at=None,
+            node=node, cpu=pool.cpu, memory_mb=pool.memory_mb, disk_mb=pool.disk_mb, pool=pool, expires_at=None,
             network={"egress": "none", "allow": []} if pool.network else {},
         )  # fmt: skip
         record_event(sandbox.id, "status", f"warm member of pool {pool.id}, scheduled on node {node.name}",
@@ -374,6 +388,7 @@ def _boot(sandbox_id: str, frm: str, sandbox: Sandbox | None = None) -> None:
         rootfs=info.rootfs,
         cpu=sandbox.cpu,
         memory_mb=sandbox.memory_mb,
+        disk_mb=sandbox.disk_mb,
         env={**image_env, **sandbox.env, **secret_svc.env_for(sandbox), "HANGAR_SANDBOX_ID": sandbox.id},
         network=sandbox.network or None,
         hostname=sandbox.id,
@@ -822,9 +837,7 @@ def node_op(*, op: str, sandbox_id: str, payload: dict[str, Any]) -> dict[str, A
             launcher.set_network(sandbox.id, payload["policy"])
             return {}
         if op == "stats":
-            st = launcher.stats(sandbox.handle)
-            return {"cpu_seconds": st.cpu_seconds, "memory_bytes": st.memory_bytes,
-                    "memory_limit_bytes": st.memory_limit_bytes, "pids": st.pids}  # fmt: skip
+            return dataclasses.asdict(launcher.stats(sandbox.handle))
     except FileOpError as exc:
         return {"error": "file", "errno": exc.errno_name, "message": exc.message}
     except SandboxNotRunning as exc:
@@ -986,13 +999,11 @@ def sandbox_file_list(*, sandbox: Sandbox, path: str) -> list[FileEntry]:
 
 
 def sandbox_stats(*, sandbox: Sandbox) -> dict[str, Any]:
-    """CPU time and memory the running sandbox uses now."""
+    """CPU time, memory and disk the running sandbox uses now."""
 
     def call() -> dict[str, Any]:
         if _is_local(sandbox):
-            st = launcher_for(sandbox.runtime).stats(sandbox.handle)
-            return {"cpu_seconds": st.cpu_seconds, "memory_bytes": st.memory_bytes,
-                    "memory_limit_bytes": st.memory_limit_bytes, "pids": st.pids}  # fmt: skip
+            return dataclasses.asdict(launcher_for(sandbox.runtime).stats(sandbox.handle))
         return _remote(sandbox, "stats", {}, 30)
 
     return _sandbox_call(sandbox, call)  # type: ignore[no-any-return]
@@ -1027,7 +1038,8 @@ def sandboxes_stats_collect(*, node_name: str) -> int:
         cpu_pct = None
         if prev is not None and now > prev[0]:
             cpu_pct = max(0.0, (st.cpu_seconds - prev[1]) / (now - prev[0]) * 100.0)
-        return sandbox_id, {"cpu_pct": cpu_pct, "memory_bytes": st.memory_bytes, "at": time.time()}
+        return sandbox_id, {"cpu_pct": cpu_pct, "memory_bytes": st.memory_bytes, "disk_bytes": st.disk_bytes,
+                            "at": time.time()}  # fmt: skip
 
     with ThreadPoolExecutor(max_workers=4) as pool:
         samples = [s for s in pool.map(sample, rows) if s is not None]

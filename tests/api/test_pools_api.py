@@ -48,9 +48,12 @@ def test_a_matching_create_claims_a_warm_member_and_the_pool_refills(api, pool):
         api.post(f"/sandboxes/{second['id']}/exec", json={"cmd": "echo $WHO"}).json()["stdout"] == "second\n"
     )
 
-    # Another spec starts a sandbox of its own.
+    # Another spec starts a sandbox of its own: other memory, or another disk size.
     other = create(api, memory_mb=384)
     assert other["pool"] is None
+    bigger = create(api, memory_mb=256, disk_mb=20480)
+    assert bigger["pool"] is None and bigger["disk_mb"] == 20480
+    assert sb["disk_mb"] == pool["disk_mb"] == 10240  # the node's default
 
 
 def test_pools_are_the_teams_own(api, other_api, pool):

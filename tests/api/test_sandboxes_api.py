@@ -52,6 +52,9 @@ def test_create_exec_files_delete(api):
     assert api.get(f"/sandboxes/{sid}").json()["status"] == "running"
     stats = api.get(f"/sandboxes/{sid}/stats").json()
     assert stats["memory_limit_bytes"] == 256 * 1024 * 1024 and stats["cpu_seconds"] > 0
+    # Its own disk, of the default size, holds what it wrote.
+    assert sb["disk_mb"] == 10240 and 9 << 30 < stats["disk_limit_bytes"] <= 10 << 30
+    assert stats["disk_bytes"] >= len(data)
     assert sid in [s["id"] for s in api.get("/sandboxes").json()]
     assert [s["id"] for s in api.get("/sandboxes", params={"status": "running"}).json()] == [sid]
 
@@ -96,6 +99,8 @@ def test_unknown_image_is_400_naming_the_images(api):
         ({"cpu": 1000}, "cpu"),
         ({"timeout_s": 0}, "timeout_s"),
         ({"cpu": "x"}, "cpu"),
+        ({"disk_mb": 10}, "disk_mb must be between 64 and"),
+        ({"disk_mb": 10**9}, "disk_mb must be between 64 and"),
     ],
 )
 def test_bad_sizes_are_422_with_the_allowed_range(api, body, word):

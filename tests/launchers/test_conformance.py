@@ -6,6 +6,7 @@ tests use real runtimes (runsc here), never fakes.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import shutil
@@ -67,6 +68,7 @@ def make_sandbox(launcher: Launcher, busybox) -> Iterator[Callable[..., dict]]:
             memory_mb=overrides.pop("memory_mb", 256),
             env=overrides.pop("env", {"GREETING": "hello"}),
             hostname=overrides.pop("hostname", "box"),
+            disk_mb=overrides.pop("disk_mb", None),
         )
         handle = launcher.create(spec)
         created.append(handle)
@@ -220,8 +222,10 @@ def test_what_the_sandbox_writes_to_its_console_cannot_fill_the_hosts_disk(launc
     assert r.stdout == b"done\n"
     assert run(launcher, sandbox, "echo still here").stdout == b"still here\n"
     if isinstance(launcher, GVisorLauncher):
-        total = sum(p.stat().st_size for p in Path(sandbox["dir"]).rglob("*") if p.is_file()
-                    and not p.is_relative_to(Path(sandbox["dir"]) / "rootfs"))  # fmt: skip
+        # Outside its root filesystem and its disk (whose size is the limit of what it writes there).
+        d = Path(sandbox["dir"])
+        total = sum(p.stat().st_blocks * 512 for p in d.rglob("*") if p.is_file()
+                    and not p.is_relative_to(d / "rootfs") and not p.is_relative_to(d / "disk"))  # fmt: skip
         assert total < 2 << 20, total
         assert len(launcher._console_tail(Path(sandbox["dir"]))) <= 500
 
@@ -308,9 +312,17 @@ def assert_nothing_left(launcher: Launcher, sandbox_id: str) -> None:
     with open("/proc/self/mountinfo") as f:
         assert sandbox_id not in f.read()
     assert not _cgroup_dirs(sandbox_id)
+    # Its disk's loop device goes once the kernel has let go of the (lazily unmounted) disk.
+    wait_until_true(lambda: not [f for f in loop_backing_files() if sandbox_id in f], 10)
     if isinstance(launcher, GVisorLauncher):
         assert not (launcher.sandboxes_dir / sandbox_id).exists()
         assert not _runsc_lists(launcher, sandbox_id)
+
+
+def upper_dir(launcher: GVisorLauncher, sandbox_id: str) -> Path:
+    """Where the host keeps the files the sandbox wrote (its overlay's upper dir)."""
+    d = launcher.sandboxes_dir / sandbox_id
+    return d / "disk" / "fs" / "upper" if (d / "disk").exists() else d / "upper"
 
 
 def _runsc_lists(launcher: GVisorLauncher, sandbox_id: str) -> bool:
@@ -350,6 +362,25 @@ def test_stats_report_memory_and_cpu(launcher, sandbox):
     assert stats.memory_bytes > 0
     assert stats.cpu_seconds > 0
     assert stats.memory_limit_bytes == 256 * 1024 * 1024
+
+
+def test_a_write_past_the_sandboxs_disk_fails_inside_it_and_the_host_is_not_filled(launcher, make_sandbox):
+    sandbox = make_sandbox(disk_mb=64)
+    host_free = shutil.disk_usage(launcher.state_dir).free
+    r = run(launcher, sandbox, "dd if=/dev/zero of=/fill bs=1M count=100; echo rc=$?", timeout=60)
+    assert b"rc=0" not in r.stdout and b"No space left on device" in r.stderr, r
+    kept = int(run(launcher, sandbox, "wc -c < /fill").stdout)
+    assert 32 << 20 < kept < 64 << 20  # it had the disk's size, not more
+    assert host_free - shutil.disk_usage(launcher.state_dir).free < 100 << 20
+    stats = launcher.stats(sandbox)
+    # What the sandbox can use of it: 64 MB less the filesystem's own (journal, inode tables).
+    assert 48 << 20 < stats.disk_limit_bytes <= 64 << 20 and stats.disk_bytes >= kept
+    # The space comes back once the file is deleted: the sandbox goes on working.
+    r = run(launcher, sandbox, "rm /fill && dd if=/dev/zero of=/again bs=1M count=40 && echo ok")
+    assert r.stdout.endswith(b"ok\n"), r
+    # A sandbox's disk is its own: another one's is empty, whatever this one wrote.
+    other = make_sandbox(disk_mb=64)
+    assert run(launcher, other, "ls /again; echo rc=$?").stdout.endswith(b"rc=1\n")
 
 
 def test_runsc_is_present():
@@ -480,9 +511,9 @@ def test_checkpoint_and_restore_keep_processes_memory_and_streams_five_times(lau
             before = int(run(launcher, handle, "cat /count").stdout)
             launcher.checkpoint(spec.id)
             assert launcher.state(handle).status != "running"  # nothing runs: CPU and memory freed
-            frozen = int((launcher.sandboxes_dir / spec.id / "upper" / "count").read_text())
+            frozen = int((upper_dir(launcher, spec.id) / "count").read_text())
             time.sleep(0.3)
-            assert int((launcher.sandboxes_dir / spec.id / "upper" / "count").read_text()) == frozen
+            assert int((upper_dir(launcher, spec.id) / "count").read_text()) == frozen
             launcher.checkpoint(spec.id)  # a repeated task is harmless
             if cycle % 2 and isinstance(launcher, GVisorLauncher):
                 # What the sandbox held is freed in the background after the pause answered:
@@ -561,6 +592,14 @@ def assert_refuses_checkpoint(launcher, busybox) -> None:
         assert launcher.state(handle).status == "running"
     finally:
         launcher.destroy_id(spec.id)
+
+
+def loop_backing_files() -> list[str]:
+    files = []
+    for backing in Path("/sys/block").glob("loop*/loop/backing_file"):
+        with contextlib.suppress(OSError):
+            files.append(backing.read_text().strip())
+    return files
 
 
 def wait_until_true(check: Callable[[], object], timeout: float) -> None:
