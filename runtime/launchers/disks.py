@@ -27,12 +27,12 @@ import fcntl
 import os
 import shutil
 import struct
-import subprocess
 import time
 from pathlib import Path
 
 from .base import LauncherError
 from .locks import file_lock
+from .volumes import run_tool
 
 IMAGE = "disk.ext4"
 MOUNT = "fs"
@@ -83,8 +83,9 @@ class Disks:
             # (the default would be 64 MB at 10 GB: host disk a busy sandbox fills for nothing);
             # inode tables and journal left unwritten, since the sparse file reads as zeros.
             journal_mb = max(4, min(16, size_mb // 64))
-            _run(["mkfs.ext4", "-q", "-F", "-m", "0", "-J", f"size={journal_mb}",
-                  "-E", "root_owner=0:0,lazy_itable_init=1,lazy_journal_init=1,nodiscard", str(tmp)])  # fmt: skip
+            options = "root_owner=0:0,lazy_itable_init=1,lazy_journal_init=1,nodiscard"
+            mkfs = ["mkfs.ext4", "-q", "-F", "-m", "0", "-J", f"size={journal_mb}", "-E", options, str(tmp)]
+            run_tool(mkfs, LauncherError)
             os.replace(tmp, path)
         return path
 
@@ -210,14 +211,3 @@ def _attach(image: Path) -> tuple[str, int]:
     finally:
         os.close(backing)
         os.close(ctl)
-
-
-def _run(argv: list[str], timeout: float = 60.0) -> None:
-    try:
-        proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
-    except FileNotFoundError:
-        raise LauncherError(f"{argv[0]} is not installed (apt-get install e2fsprogs)") from None
-    except subprocess.TimeoutExpired:
-        raise LauncherError(f"{argv[0]} did not finish within {timeout:.0f} s") from None
-    if proc.returncode != 0:
-        raise LauncherError(f"{argv[0]} failed: {(proc.stderr or proc.stdout).strip()[-400:]}")

@@ -137,11 +137,16 @@ def _is_mounted(path: Path) -> bool:
 
 
 def _run(cmd: list[str]) -> None:
+    run_tool(cmd, VolumeError)
+
+
+def run_tool(cmd: list[str], error: type[Exception], timeout: float = 120) -> None:
+    """Run a host tool (mkfs.ext4, mount, umount); ``error`` with its words if it fails."""
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
     except FileNotFoundError:
-        raise VolumeError(f"{cmd[0]} is not installed (e2fsprogs, mount)") from None
+        raise error(f"{cmd[0]} is not installed (e2fsprogs, mount)") from None
     except subprocess.TimeoutExpired:
-        raise VolumeError(f"{cmd[0]} did not finish within 120 s") from None
+        raise error(f"{cmd[0]} did not finish within {timeout:.0f} s") from None
     if proc.returncode != 0:
-        raise VolumeError(f"{' '.join(cmd[:2])} failed: {(proc.stderr or proc.stdout).strip()[:500]}")
+        raise error(f"{' '.join(cmd[:2])} failed: {(proc.stderr or proc.stdout).strip()[:500]}")

@@ -81,32 +81,14 @@ def pool_create(
     if not isinstance(size, int) or not 1 <= size <= limit:
         raise InvalidValue(f"size must be between 1 and {limit}, got {size}")
     image_row = image_resolve(image)
-    same = Pool.objects.filter(
-        team=team,
-        image=image_row.name,
-        runtime=runtime,
-        cpu=cpu,
-        memory_mb=memory_mb,
-        disk_mb=disk_mb,
-        network=network,
-    ).first()
+    spec = {"image": image_row.name, "runtime": runtime, "cpu": cpu, "memory_mb": memory_mb, "disk_mb": disk_mb,
+            "network": network}  # fmt: skip
+    same = Pool.objects.filter(team=team, **spec).first()
     if same is not None:
         raise Conflict(f"pool {same.id} already keeps this spec warm; change its size instead", pool=same.id)
-    pool = Pool.objects.create(
-        team=team, image=image_row.name, runtime=runtime, cpu=cpu, memory_mb=memory_mb, disk_mb=disk_mb,
-        size=size, network=network, created_by=user if user is not None and getattr(user, "is_authenticated", False) else None,
-    )  # fmt: skip
-    audit.record(
-        "pool.create",
-        team=team,
-        target=pool.id,
-        image=pool.image,
-        cpu=cpu,
-        memory_mb=memory_mb,
-        disk_mb=disk_mb,
-        size=size,
-        network=network,
-    )
+    creator = user if user is not None and getattr(user, "is_authenticated", False) else None
+    pool = Pool.objects.create(team=team, size=size, created_by=creator, **spec)
+    audit.record("pool.create", team=team, target=pool.id, size=size, **spec)
     transaction.on_commit(lambda: _enqueue_refill(pool.id))
     return pool
 
@@ -188,15 +170,9 @@ def pool_claim(
     With ``network``, only a pool with networks matches, and the caller puts its policy in
     force (:func:`claim_network`) once the claim is committed. The claim, its event and
     ``on_claim(member_id, pool_id)`` (the caller's audit record) commit together."""
-    pool = Pool.objects.filter(
-        team=team,
-        image=image,
-        runtime=runtime,
-        cpu=cpu,
-        memory_mb=memory_mb,
-        network=network,
-        disk_mb=settings.HANGAR_SANDBOX_DISK_MB if disk_mb is None else disk_mb,
-    ).first()
+    disk_mb = settings.HANGAR_SANDBOX_DISK_MB if disk_mb is None else disk_mb
+    spec = {"image": image, "runtime": runtime, "cpu": cpu, "memory_mb": memory_mb, "disk_mb": disk_mb}
+    pool = Pool.objects.filter(team=team, network=network, **spec).first()
     if pool is None:
         return None
     now = timezone.now()
