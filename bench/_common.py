@@ -109,7 +109,7 @@ def start_hangar(data_dir: Path, port: int) -> Hangar:
 
 
 def destroy_leftovers(data_dir: Path) -> None:
-    """Whatever a failed run left behind (sandboxes, volume mounts) must not outlive the bench's
+    """Whatever a run left behind (sandboxes, spare disks, volume mounts) must not outlive the bench's
     data dir."""
     sys.path.insert(0, str(ROOT))
     from runtime.launchers.gvisor import GVisorLauncher
@@ -118,6 +118,7 @@ def destroy_leftovers(data_dir: Path) -> None:
     launcher = GVisorLauncher(state_dir=data_dir / "runtime" / "gvisor")
     for sandbox_id in launcher.list():
         launcher.destroy_id(sandbox_id)
+    launcher.disks.drain()  # the node's spare sandbox disks (loop mounts)
     store = VolumeStore(data_dir / "volumes")
     for volume_id in store.list():
         store.delete(volume_id)

@@ -3,9 +3,9 @@
 
 (a) making one disk (sparse copy of the size's template, loop attach, mount) and removing it,
     one after another and N at once (threads, as a node's worker makes them);
-(b) create + `echo ok` of a busybox sandbox with a disk of its own (the default) and without
-    (`disk_mb=0`: its files on the node's filesystem), interleaved, sequential and N at once:
-    the disk's share of a create;
+(b) create + `echo ok` of a busybox sandbox with a disk of its own (the default size, so a
+    spare when there is one, as on a node) and without (`disk_mb=0`: its files on the node's
+    filesystem), interleaved, sequential and N at once: the disk's share of a create;
 (c) a 64 MB write inside a sandbox, onto its disk and onto the node's filesystem.
 
 Works in a temporary state dir. Prints a table and writes JSON (default
@@ -126,6 +126,7 @@ def main() -> None:
                 writes[label].append(r.duration_ms / 1000)
             launcher.destroy(handle)
         results["write_64mb"] = {label: summary(v) for label, v in writes.items()}
+        launcher.disks.drain()
 
     ms = 1000.0
     rows = [

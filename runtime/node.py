@@ -33,6 +33,7 @@ def launcher_for(runtime: str) -> Launcher:
             network_nameservers=tuple(settings.HANGAR_NETWORK_NAMESERVERS),
             gateway_port=settings.HANGAR_SANDBOX_GATEWAY_PORT,
             disk_mb=settings.HANGAR_SANDBOX_DISK_MB,
+            spare_disks=settings.HANGAR_SPARE_DISKS,
         )
     return get_launcher(runtime, state_dir=str(settings.HANGAR_RUNTIME_DIR / runtime))
 

@@ -55,11 +55,14 @@ ARTIFACTS = Path(os.environ.get("HANGAR_TEST_ARTIFACTS", ROOT / "test-artifacts"
 
 @pytest.fixture(scope="session", autouse=True)
 def _no_mount_outlives_the_run(tmp_path_factory) -> Iterator[None]:
-    """Set up first, so torn down last (after the worker): whatever a failed test left mounted
-    under the run's directories (sandbox disks are loop mounts) is unmounted."""
+    """Set up first, so torn down last (after the worker): the test node's spare sandbox disks
+    go, and whatever a failed test left mounted under the run's directories with them."""
     yield
     from django.conf import settings
 
+    from runtime.node import launcher_for
+
+    launcher_for("gvisor").disks.drain()  # type: ignore[attr-defined]
     roots = (str(tmp_path_factory.getbasetemp()) + "/", str(settings.DATA_DIR) + "/")
     with open("/proc/self/mountinfo") as f:
         points = [line.split()[4] for line in f]

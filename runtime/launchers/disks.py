@@ -12,8 +12,10 @@ Each disk is a directory::
 Making one with ``mkfs.ext4`` then ``mount -o loop`` took ~25 ms here, too much for the create
 path. So each size is formatted once, as a template kept under ``<root>/templates/``, and a
 new disk is a copy of its data extents only (~4 MB, ~2 ms), attached to a loop device and
-mounted with ioctls and syscalls from this process (~4 ms): no process started. Copies share
-the template's filesystem UUID, which ext4 does not mind. Disks are host kernel state: they
+mounted with ioctls and syscalls from this process (~5 ms more, the loop device's set-up
+most of it): no process started. Copies share the template's filesystem UUID, which ext4
+does not mind. Even those ~8 ms are kept off the create path for the default size: a few
+spares are made ahead, and a create takes one with a rename. Disks are host kernel state: they
 outlive Hangar's processes; after a reboot the next start of a sandbox mounts its disk again.
 
 No Django here: paths and sizes in, paths and numbers out.
@@ -21,18 +23,24 @@ No Django here: paths and sizes in, paths and numbers out.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import fcntl
+import logging
 import os
 import shutil
 import struct
+import threading
 import time
+import uuid
 from pathlib import Path
 
 from .base import LauncherError
 from .locks import file_lock
 from .volumes import run_tool
+
+log = logging.getLogger(__name__)
 
 IMAGE = "disk.ext4"
 MOUNT = "fs"
@@ -47,22 +55,105 @@ _libc = ctypes.CDLL(None, use_errno=True)
 
 
 class Disks:
-    """Makes disks from per-size templates kept under ``root``."""
+    """Makes disks from per-size templates kept under ``root``, and keeps ``spare`` disks of the
+    default size made ahead under ``root/ready/`` (``<size>-<token>/``): a create takes one
+    with a ``rename(2)`` and a thread makes another."""
 
-    def __init__(self, root: str | os.PathLike[str], default_mb: int) -> None:
+    def __init__(self, root: str | os.PathLike[str], default_mb: int, spare: int = 0) -> None:
         self.root = Path(root)
+        self.ready_dir = self.root / "ready"
         self.default_mb = default_mb
+        self.spare = spare if default_mb else 0
+        self._refilling = threading.Lock()
 
     def make(self, dest: Path, size_mb: int) -> None:
-        """A disk of ``size_mb`` at ``dest`` (which must not exist), mounted. Made beside it
-        and renamed into place, so ``dest`` is either whole or absent."""
-        template = self.template(size_mb)
+        """A disk of ``size_mb`` at ``dest`` (which must not exist), mounted: a spare when
+        there is one of that size, else made now. Made beside it and renamed into place, so
+        ``dest`` is either whole or absent."""
+        if size_mb == self.default_mb and self.spare and self._take_spare(dest):
+            return
         tmp = dest.with_name(f".{dest.name}.making")
-        remove(tmp)  # a make that died half-way
-        (tmp / MOUNT).mkdir(parents=True)
-        _sparse_copy(template, tmp / IMAGE)
-        mount(tmp)
+        self._make(tmp, size_mb)
         tmp.rename(dest)  # a directory holding a mount point can be renamed; the mount goes with it
+
+    def _make(self, path: Path, size_mb: int) -> None:
+        template = self.template(size_mb)
+        remove(path)  # a make that died half-way
+        (path / MOUNT).mkdir(parents=True)
+        _sparse_copy(template, path / IMAGE)
+        mount(path)
+
+    def _take_spare(self, dest: Path) -> bool:
+        with contextlib.suppress(FileNotFoundError):
+            for entry in sorted(self.ready_dir.iterdir()):
+                if not entry.name.startswith(f"{self.default_mb}-"):
+                    continue
+                try:
+                    entry.rename(dest)  # atomic: another process taking the same one gets ENOENT
+                except FileNotFoundError:
+                    continue
+                mount(dest)  # a no-op unless the node rebooted since it was made
+                return True
+        return False
+
+    def spares(self) -> int:
+        with contextlib.suppress(FileNotFoundError):
+            return sum(1 for p in self.ready_dir.iterdir() if p.name.startswith(f"{self.default_mb}-"))
+        return 0
+
+    def refill(self) -> int:
+        """Make spares until there are ``spare`` of them; remove ones of another size and
+        half-made ones. One thread of one process at a time (the others return at once).
+        Returns how many it made."""
+        if not self._refilling.acquire(blocking=False):
+            return 0
+        try:
+            self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
+            with open(self.root / ".refill.lock", "w") as lock:
+                try:
+                    fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    return 0
+                for stale in self.root.glob(".making-*"):
+                    remove(stale)  # a refill that died half-way
+                with contextlib.suppress(FileNotFoundError):
+                    for entry in self.ready_dir.iterdir():
+                        if not entry.name.startswith(f"{self.default_mb}-") or not self.spare:
+                            remove(entry)  # the default size changed since it was made
+                made = 0
+                while self.spares() < self.spare:
+                    token = uuid.uuid4().hex[:12]
+                    self._make(self.root / f".making-{token}", self.default_mb)
+                    self.ready_dir.mkdir(mode=0o700, exist_ok=True)
+                    (self.root / f".making-{token}").rename(self.ready_dir / f"{self.default_mb}-{token}")
+                    made += 1
+                return made
+        finally:
+            self._refilling.release()
+
+    def refill_soon(self) -> None:
+        """Refill from a thread (after a create has answered: making disks takes the CPU the
+        create needs), if spares are short."""
+        if not self.spare or self.spares() >= self.spare:
+            return
+
+        def run() -> None:
+            try:
+                self.refill()
+            except (LauncherError, OSError) as exc:
+                log.warning("could not make spare sandbox disks: %s", exc)
+
+        threading.Thread(target=run, name="hangar-disks", daemon=True).start()
+
+    def drain(self) -> None:
+        """Remove every spare (and half-made ones), once no refill is making more."""
+        if not self.root.is_dir():
+            return
+        with open(self.root / ".refill.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            ready = list(self.ready_dir.iterdir()) if self.ready_dir.is_dir() else []
+            for entry in [*self.root.glob(".making-*"), *ready]:
+                remove(entry)
 
     def template(self, size_mb: int) -> Path:
         """The formatted, empty filesystem of ``size_mb`` new disks are copied from (made on
@@ -90,8 +181,10 @@ class Disks:
         return path
 
     def prepare(self) -> None:
+        """The default size's template, and the spares."""
         if self.default_mb:
             self.template(self.default_mb)
+            self.refill()
 
 
 def mount(dest: Path) -> None:

@@ -144,9 +144,10 @@ class GVisorLauncher(Launcher):
         network_nameservers: tuple[str, ...] = (),
         gateway_port: int = 0,
         disk_mb: int = 10240,
+        spare_disks: int = 2,
     ) -> None:
         self.state_dir = Path(state_dir)
-        self.disks = disks.Disks(self.state_dir / "disks", default_mb=disk_mb)
+        self.disks = disks.Disks(self.state_dir / "disks", default_mb=disk_mb, spare=spare_disks)
         self.network = Network(self.state_dir, pool=network_pool, exceptions=network_exceptions,
                                nameservers=network_nameservers, gateway_port=gateway_port)  # fmt: skip
         self.root = self.state_dir / "runsc-root"
@@ -301,6 +302,7 @@ class GVisorLauncher(Launcher):
                 raise LauncherError(f"sandbox agent did not come up: {exc}; console: {tail}") from exc
             if lease is not None:
                 self._write_resolution(spec.id, policy, names)
+            self.disks.refill_soon()  # the spare disk it may have taken
             return handle
 
     def _mount_dirs(self, d: Path, spec: SandboxSpec) -> None:
@@ -343,7 +345,7 @@ class GVisorLauncher(Launcher):
         }
 
     def prepare(self) -> None:
-        self.disks.prepare()  # the default size's template: the first create need not format it
+        self.disks.prepare()  # the default size's template and spares: the first create need not wait
 
     def _release(
         self, sandbox_id: str, delete: bool = True, keep_lease: bool = False, unmount: bool = True

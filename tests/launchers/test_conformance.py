@@ -49,6 +49,8 @@ def launcher(request, tmp_path_factory, agent_cache_dir) -> Iterator[Launcher]:
     yield launcher
     for sandbox_id in launcher.list():
         launcher.destroy_id(sandbox_id)
+    if isinstance(launcher, GVisorLauncher):
+        launcher.disks.drain()  # its spare disks (loop mounts)
 
 
 @pytest.fixture(scope="module")

@@ -1,5 +1,6 @@
 """The gVisor launcher's sandbox disks (runtime/launchers/disks.py): copies of a formatted
-template, kept across a stop-mode pause and a reboot, removed with nothing left. What every
+template, made ahead as spares, kept across a stop-mode pause and a reboot, removed with
+nothing left. What every
 launcher must do with a disk size (ENOSPC inside, the host not filled) is in the conformance
 suite."""
 
@@ -30,10 +31,12 @@ def mounts_under(path: Path) -> list[str]:
 
 @pytest.fixture
 def launcher(tmp_path, agent_cache_dir) -> Iterator[GVisorLauncher]:
-    launcher = GVisorLauncher(state_dir=tmp_path / "gvisor", agent_cache_dir=agent_cache_dir, disk_mb=1024)
+    launcher = GVisorLauncher(state_dir=tmp_path / "gvisor", agent_cache_dir=agent_cache_dir, disk_mb=1024,
+                              spare_disks=0)  # fmt: skip
     yield launcher
     for sandbox_id in launcher.list():
         launcher.destroy_id(sandbox_id)
+    launcher.disks.drain()
     assert not mounts_under(tmp_path)  # nothing of it stays mounted
     wait_until_true(lambda: not [f for f in loop_backing_files() if f.startswith(str(tmp_path))], 10)
 
@@ -73,6 +76,41 @@ def test_a_disk_is_a_sparse_copy_of_its_sizes_template_made_once(launcher, busyb
     launcher.destroy(handle)
     assert_nothing_left(launcher, spec.id)
     assert template.exists()  # kept for the next ones
+
+
+def test_a_create_takes_a_spare_and_another_is_made_once_it_answered(launcher, busybox):
+    launcher.disks.spare = 2
+    launcher.prepare()
+    spares = {(p / disks.IMAGE).stat().st_ino: p for p in launcher.disks.ready_dir.iterdir()}
+    assert len(spares) == 2 and all(os.path.ismount(p / disks.MOUNT) for p in spares.values())
+    spec = SandboxSpec(id="d" + uuid.uuid4().hex[:12], rootfs=busybox.rootfs, memory_mb=256)
+    handle = launcher.create(spec)
+    disk = launcher.sandboxes_dir / spec.id / "disk"
+    assert (disk / disks.IMAGE).stat().st_ino in spares  # one of those, not a new one
+    assert os.path.ismount(disk / disks.MOUNT)
+    sh(launcher, handle, "echo mine > /root/note")
+    assert (disk / disks.MOUNT / "upper" / "root" / "note").read_text() == "mine\n"
+    wait_until_true(lambda: launcher.disks.spares() == 2, 10)  # made again in the background
+    # Another size is made for the sandbox that asks for it; the spares stay.
+    other = launcher.create(SandboxSpec(id="d" + uuid.uuid4().hex[:12], rootfs=busybox.rootfs, memory_mb=256,
+                                        disk_mb=128))  # fmt: skip
+    assert launcher.stats(other).disk_limit_bytes < 128 << 20 and launcher.disks.spares() == 2
+    launcher.destroy(handle)
+    launcher.destroy(other)
+    assert_nothing_left(launcher, spec.id)
+
+
+def test_spares_half_made_or_of_another_size_are_removed(launcher):
+    launcher.disks.spare = 2
+    root = launcher.disks.root
+    launcher.disks._make(root / ".making-dead", 64)  # a refill killed half-way
+    launcher.disks._make(root / "ready" / "2048-old", 64)  # the default size changed since
+    assert launcher.disks.refill() == 2
+    assert sorted(p.name.split("-")[0] for p in (root / "ready").iterdir()) == ["1024", "1024"]
+    assert not (root / ".making-dead").exists()
+    assert len(mounts_under(root)) == 2
+    launcher.disks.drain()
+    assert not mounts_under(root) and not list((root / "ready").iterdir())
 
 
 def test_files_stay_on_the_disk_across_a_stop_pause_and_a_reboot(launcher, busybox):

@@ -677,7 +677,9 @@ def test_build_base_debian_image(image_store: ImageStore, agent_cache_dir, tmp_p
         from runtime.launchers.base import ExecRequest, SandboxSpec
         from runtime.launchers.gvisor import GVisorLauncher
 
-        launcher = GVisorLauncher(state_dir=tmp_path / "gvisor", agent_cache_dir=agent_cache_dir)
+        launcher = GVisorLauncher(
+            state_dir=tmp_path / "gvisor", agent_cache_dir=agent_cache_dir, spare_disks=0
+        )
         handle = launcher.create(SandboxSpec(id="base" + os.urandom(4).hex(), rootfs=root, memory_mb=512))
         try:
             script = "python3 -c 'print(6*7)'; node -e 'console.log(6*7)'; git --version; bash -c 'echo $BASH_VERSION'"

@@ -43,6 +43,7 @@ def launcher(tmp_path_factory, agent_cache_dir):
     yield launcher
     for sandbox_id in launcher.list():
         launcher.destroy_id(sandbox_id)
+    launcher.disks.drain()
 
 
 @pytest.fixture(scope="module")
