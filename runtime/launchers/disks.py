@@ -45,6 +45,7 @@ log = logging.getLogger(__name__)
 IMAGE = "disk.ext4"
 MOUNT = "fs"
 MIN_MB = 64
+MAX_TEMPLATES = 8  # sizes other than the default whose templates are kept
 
 MS_NOSUID, MS_NODEV = 2, 4
 MNT_DETACH = 2
@@ -77,10 +78,13 @@ class Disks:
         tmp.rename(dest)  # a directory holding a mount point can be renamed; the mount goes with it
 
     def _make(self, path: Path, size_mb: int) -> None:
-        template = self.template(size_mb)
         remove(path)  # a make that died half-way
         (path / MOUNT).mkdir(parents=True)
-        _sparse_copy(template, path / IMAGE)
+        try:
+            _sparse_copy(self.template(size_mb), path / IMAGE)
+        except FileNotFoundError:  # its template was pruned between the two: made again
+            (path / IMAGE).unlink(missing_ok=True)
+            _sparse_copy(self.template(size_mb), path / IMAGE)
         mount(path)
 
     def _take_spare(self, dest: Path) -> bool:
@@ -162,6 +166,9 @@ class Disks:
             raise LauncherError(f"a sandbox disk needs at least {MIN_MB} MB, got {size_mb}")
         path = self.root / "templates" / f"{size_mb}.ext4"
         if path.exists():
+            if size_mb != self.default_mb:
+                with contextlib.suppress(OSError):
+                    os.utime(path)  # recently used: the last to be pruned
             return path
         path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
         with file_lock(path.with_suffix(".lock")):
@@ -178,7 +185,18 @@ class Disks:
             mkfs = ["mkfs.ext4", "-q", "-F", "-m", "0", "-J", f"size={journal_mb}", "-E", options, str(tmp)]
             run_tool(mkfs, LauncherError)
             os.replace(tmp, path)
+        self._prune_templates()
         return path
+
+    def _prune_templates(self) -> None:
+        """Keep the default size's template and the MAX_TEMPLATES other sizes used last: each
+        holds a few MB (5 MB at 100 GB), and a team could ask for every size there is."""
+        others = [p for p in (self.root / "templates").glob("*.ext4") if p.stem != str(self.default_mb)]
+        if len(others) <= MAX_TEMPLATES:
+            return
+        others.sort(key=lambda p: p.stat().st_mtime if p.exists() else 0, reverse=True)
+        for old in others[MAX_TEMPLATES:]:
+            old.unlink(missing_ok=True)
 
     def prepare(self) -> None:
         """The default size's template, and the spares."""

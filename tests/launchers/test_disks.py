@@ -169,6 +169,21 @@ def test_a_disk_made_half_way_is_replaced_and_a_make_is_whole_or_absent(launcher
     assert_nothing_left(launcher, spec.id)
 
 
+def test_templates_of_sizes_other_than_the_default_are_kept_for_the_last_eight_used(launcher, tmp_path):
+    templates = launcher.disks.root / "templates"
+    for size in range(64, 64 + disks.MAX_TEMPLATES + 3):
+        launcher.disks.make(tmp_path / f"d{size}", size)
+        disks.remove(tmp_path / f"d{size}")
+        os.utime(templates / f"{size}.ext4", (1, size))  # made in this order, a second apart
+    launcher.disks.template(1024)  # the default's is never pruned
+    kept = sorted(int(p.stem) for p in templates.glob("*.ext4"))
+    assert kept == [*range(64 + 3, 64 + disks.MAX_TEMPLATES + 3), 1024]
+    # A size used again is made again, whole.
+    launcher.disks.make(tmp_path / "again", 64)
+    assert os.path.ismount(tmp_path / "again" / disks.MOUNT)
+    disks.remove(tmp_path / "again")
+
+
 def test_a_disk_smaller_than_the_minimum_is_refused(launcher, tmp_path):
     with pytest.raises(LauncherError, match="at least 64 MB"):
         launcher.disks.make(tmp_path / "d", 16)
