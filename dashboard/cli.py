@@ -73,7 +73,7 @@ def _prepare_node(settings: Any, *, build_default_image: bool) -> None:
     from runtime.launchers.base import LauncherError
     from runtime.node import launcher_for, local_node_name, local_runtimes, node_memory_mb
     from runtime.services.images import image_build, images_sync_local
-    from runtime.services.nodes import node_register
+    from runtime.services.nodes import local_disk_free_mb, node_register
 
     _private_data_dir(Path(settings.DATA_DIR))
 
@@ -82,7 +82,7 @@ def _prepare_node(settings: Any, *, build_default_image: bool) -> None:
     )
     node_register(
         name=local_node_name(), runtimes=local_runtimes(), cpu=settings.HANGAR_NODE_CPU, memory_mb=node_memory_mb(),
-        version=_version(), tunnel_address=tunnel,
+        version=_version(), tunnel_address=tunnel, disk_free_mb=local_disk_free_mb(),
     )  # fmt: skip
     images = images_sync_local()
     for runtime in local_runtimes():

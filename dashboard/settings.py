@@ -240,6 +240,8 @@ HANGAR_NODE_CPU = env_float("HANGAR_NODE_CPU", float(os.cpu_count() or 1))
 HANGAR_NODE_MEMORY_MB = env_int("HANGAR_NODE_MEMORY_MB", 0, minimum=0)  # 0: read from /proc/meminfo
 HANGAR_CPU_OVERCOMMIT = env_float("HANGAR_CPU_OVERCOMMIT", 4.0)
 HANGAR_MEMORY_OVERCOMMIT = env_float("HANGAR_MEMORY_OVERCOMMIT", 1.0)
+# A node with less free space than this where its sandboxes' disks are gets no new sandboxes.
+HANGAR_NODE_MIN_FREE_DISK_MB = env_int("HANGAR_NODE_MIN_FREE_DISK_MB", 2048, minimum=0)
 HANGAR_NODE_OFFLINE_AFTER_S = env_int("HANGAR_NODE_OFFLINE_AFTER_S", 60, minimum=5)
 HANGAR_SANDBOX_MIN_MEMORY_MB = env_int("HANGAR_SANDBOX_MIN_MEMORY_MB", 128, minimum=16)
 HANGAR_SANDBOX_MAX_MEMORY_MB = env_int("HANGAR_SANDBOX_MAX_MEMORY_MB", 16384, minimum=16)

@@ -87,6 +87,8 @@ class Node(models.Model):
     memory_mb_capacity = models.IntegerField(default=1024)
     version = models.CharField(max_length=32, blank=True)
     tunnel_address = models.CharField(max_length=200, blank=True)  # host:port of its tunnels
+    # Free space where its sandboxes' disks are (they are thin), as of its last heartbeat.
+    disk_free_mb = models.IntegerField(null=True, blank=True)
     heartbeat_at = models.DateTimeField(null=True, blank=True)
     started_at = models.DateTimeField(null=True, blank=True)
     created_at = models.DateTimeField(auto_now_add=True)

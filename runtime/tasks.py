@@ -92,7 +92,7 @@ def image_job(job_id: int) -> None:
 
 @shared_task
 def node_heartbeat() -> None:
-    node_services.node_heartbeat(name=local_node_name())
+    node_services.node_heartbeat(name=local_node_name(), disk_free_mb=node_services.local_disk_free_mb())
     sandbox_services.sandboxes_stats_collect(node_name=local_node_name())
 
 

@@ -19,6 +19,7 @@ class NodeOut(Schema):
     sandboxes: int
     cpu_used: float
     memory_mb_used: int
+    disk_free_mb: int | None
     heartbeat_at: str | None
 
 
@@ -46,6 +47,7 @@ def health(request: HttpRequest):
                 sandboxes=n.sandbox_count or 0,
                 cpu_used=n.cpu_used or 0,
                 memory_mb_used=n.memory_used or 0,
+                disk_free_mb=n.disk_free_mb,
                 heartbeat_at=n.heartbeat_at.isoformat() if n.heartbeat_at else None,
             )  # fmt: skip
             for n in nodes_with_usage()

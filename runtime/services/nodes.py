@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 from datetime import timedelta
 from typing import Any
 
@@ -21,7 +22,14 @@ ACTIVE = [
 
 
 def node_register(
-    *, name: str, runtimes: list[str], cpu: float, memory_mb: int, version: str = "", tunnel_address: str = ""
+    *,
+    name: str,
+    runtimes: list[str],
+    cpu: float,
+    memory_mb: int,
+    version: str = "",
+    tunnel_address: str = "",
+    disk_free_mb: int | None = None,
 ) -> Node:
     """Create or refresh this node's row and mark it online."""
     now = timezone.now()
@@ -33,6 +41,7 @@ def node_register(
             "memory_mb_capacity": memory_mb,
             "version": version,
             "tunnel_address": tunnel_address,
+            "disk_free_mb": disk_free_mb,
             "status": Node.Status.ONLINE,
             "heartbeat_at": now,
             "started_at": now,
@@ -41,10 +50,22 @@ def node_register(
     return node
 
 
-def node_heartbeat(*, name: str) -> bool:
-    """Record that the node's worker is alive (and bring an offline node back online)."""
+def node_heartbeat(*, name: str, disk_free_mb: int | None = None) -> bool:
+    """Record that the node's worker is alive (and bring an offline node back online), with
+    the free space of its sandboxes' filesystem."""
     Node.objects.filter(name=name, status=Node.Status.OFFLINE).update(status=Node.Status.ONLINE)
-    return Node.objects.filter(name=name).update(heartbeat_at=timezone.now()) > 0
+    return Node.objects.filter(name=name).update(heartbeat_at=timezone.now(), disk_free_mb=disk_free_mb) > 0
+
+
+def local_disk_free_mb() -> int | None:
+    """Free space of this node's filesystem for sandboxes (HANGAR_RUNTIME_DIR)."""
+    path = settings.HANGAR_RUNTIME_DIR
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    try:
+        return int(shutil.disk_usage(path).free >> 20)
+    except OSError:
+        return None
 
 
 def nodes_mark_offline() -> list[str]:
@@ -95,8 +116,15 @@ def node_pick(*, runtime: str, cpu: float, memory_mb: int, image: Image, node_id
     with_image = [n for n in candidates if n.has_image]
     if not with_image:
         raise NoCapacity(f"image {image.name!r} is not on any online node; build or pull it there first")
+    floor = settings.HANGAR_NODE_MIN_FREE_DISK_MB
+    with_disk = [n for n in with_image if n.disk_free_mb is None or n.disk_free_mb >= floor]
+    if not with_disk:
+        raise NoCapacity(
+            f"no node has disk room: their sandboxes' filesystems have less than {floor} MB free; "
+            "free space there or add nodes"
+        )
     roomy = []
-    for n in with_image:
+    for n in with_disk:
         free_cpu = n.cpu_capacity * settings.HANGAR_CPU_OVERCOMMIT - (n.cpu_used or 0)
         free_mem = n.memory_mb_capacity * settings.HANGAR_MEMORY_OVERCOMMIT - (n.memory_used or 0)
         if free_cpu >= cpu and free_mem >= memory_mb:

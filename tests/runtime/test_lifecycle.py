@@ -103,6 +103,26 @@ def test_scheduler_refuses_when_no_node_has_room(transactional_db, team):
         node_pick(runtime="microvm", cpu=1, memory_mb=512, image=image)
 
 
+def test_scheduler_skips_nodes_short_of_disk_and_heartbeats_report_it(transactional_db, settings):
+    """Sandbox disks are thin: a node whose sandboxes' filesystem is nearly full gets no new ones."""
+    from runtime.services.nodes import local_disk_free_mb, node_heartbeat
+
+    settings.HANGAR_NODE_MIN_FREE_DISK_MB = 2048
+    full = node_register(name="full", runtimes=["gvisor"], cpu=4, memory_mb=65536, disk_free_mb=100)
+    roomy = node_register(name="roomy", runtimes=["gvisor"], cpu=4, memory_mb=4096, disk_free_mb=50_000)
+    image = _image(full, roomy)
+    assert node_pick(runtime="gvisor", cpu=1, memory_mb=256, image=image) == roomy  # not the one with memory
+    Node.objects.filter(id=roomy.id).update(disk_free_mb=1000)
+    with pytest.raises(NoCapacity, match="no node has disk room: .* less than 2048 MB free"):
+        node_pick(runtime="gvisor", cpu=1, memory_mb=256, image=image)
+    # The heartbeat says what is free where this node keeps sandboxes.
+    free = local_disk_free_mb()
+    assert free is not None and free > 0
+    assert node_heartbeat(name="full", disk_free_mb=free)
+    assert Node.objects.get(id=full.id).disk_free_mb == free
+    assert node_pick(runtime="gvisor", cpu=1, memory_mb=256, image=image) == full or free < 2048
+
+
 def test_scheduler_skips_nodes_without_the_image_or_heartbeat(transactional_db):
     holder = node_register(name="holder", runtimes=["gvisor"], cpu=4, memory_mb=4096)
     node_register(name="other", runtimes=["gvisor"], cpu=4, memory_mb=65536)
