@@ -368,6 +368,9 @@ def test_stats_report_memory_and_cpu(launcher, sandbox):
 
 def test_a_write_past_the_sandboxs_disk_fails_inside_it_and_the_host_is_not_filled(launcher, make_sandbox):
     sandbox = make_sandbox(disk_mb=64)
+    # What `df /` says inside is its disk, not the host's filesystem.
+    total_mb = int(run(launcher, sandbox, "df -m /").stdout.splitlines()[1].split()[1])
+    assert 40 <= total_mb <= 64, total_mb
     host_free = shutil.disk_usage(launcher.state_dir).free
     r = run(launcher, sandbox, "dd if=/dev/zero of=/fill bs=1M count=100; echo rc=$?", timeout=60)
     assert b"rc=0" not in r.stdout and b"No space left on device" in r.stderr, r
