@@ -29,6 +29,8 @@ from . import audit
 S = Sandbox.Status
 # A sandbox in these holds CPU and memory (or is about to): it counts against the quotas.
 HOLDING = (S.PENDING, S.STARTING, S.RUNNING, S.PAUSING, S.RESUMING)
+# A sandbox in these holds its disk (a paused one too; a stopped one's goes).
+HOLDING_DISK = (*HOLDING, S.PAUSED, S.STOPPING)
 
 
 @dataclass(frozen=True)
@@ -47,6 +49,7 @@ QUOTAS: dict[str, Quota] = {
         Quota("vcpu", "vCPU in use", "vCPU", "HANGAR_QUOTA_VCPU", integer=False),
         Quota("memory_mb", "memory in use", "MB", "HANGAR_QUOTA_MEMORY_MB"),
         Quota("storage_mb", "volume storage", "MB", "HANGAR_QUOTA_STORAGE_MB"),
+        Quota("disk_mb", "sandbox disks", "MB", "HANGAR_QUOTA_DISK_MB"),
         Quota("lifetime_s", "sandbox lifetime (timeout_s)", "s", "HANGAR_QUOTA_LIFETIME_S"),
         Quota("harnesses", "harnesses", "", "HANGAR_QUOTA_HARNESSES"),
         Quota("gpus", "GPUs in use", "", "HANGAR_QUOTA_GPUS"),
@@ -125,6 +128,9 @@ def usage(team: Team, keys: Iterable[str] | None = None) -> dict[str, float | in
             n=Count("id"), vcpu=Sum("cpu"), memory_mb=Sum("memory_mb")
         )
         out.update(sandboxes=held["n"], vcpu=float(held["vcpu"] or 0), memory_mb=int(held["memory_mb"] or 0))
+    if "disk_mb" in want:
+        disks = Sandbox.objects.filter(team=team, status__in=HOLDING_DISK).aggregate(s=Sum("disk_mb"))
+        out["disk_mb"] = int(disks["s"] or 0)
     if "storage_mb" in want:
         out["storage_mb"] = int(Volume.objects.filter(team=team).aggregate(s=Sum("size_mb"))["s"] or 0)
     if "harnesses" in want:
@@ -154,6 +160,7 @@ def check(
     vcpu: float = 0,
     memory_mb: int = 0,
     storage_mb: int = 0,
+    disk_mb: int = 0,
     lifetime_s: int | None = None,
     harnesses: int = 0,
     eff: dict[str, dict[str, float | int]] | None = None,
@@ -169,7 +176,7 @@ def check(
             quota="lifetime_s", limit=limit, requested=lifetime_s, used=None,
         )  # fmt: skip
     wanted = {"sandboxes": sandboxes, "vcpu": vcpu, "memory_mb": memory_mb, "storage_mb": storage_mb,
-              "harnesses": harnesses}  # fmt: skip
+              "disk_mb": disk_mb, "harnesses": harnesses}  # fmt: skip
     if not any(wanted.values()):
         return
     if not transaction.get_connection().in_atomic_block:

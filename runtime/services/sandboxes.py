@@ -264,7 +264,7 @@ def sandbox_create(
     now = timezone.now()
     with transaction.atomic():
         quotas.lock_team(team)
-        quotas.check(team, sandboxes=1, vcpu=cpu, memory_mb=memory_mb, eff=eff)
+        quotas.check(team, sandboxes=1, vcpu=cpu, memory_mb=memory_mb, disk_mb=disk_mb, eff=eff)
         node = node_pick(
             runtime=runtime, cpu=cpu, memory_mb=memory_mb, image=image_row,
             node_id=volume_svc.volume_node_id(mounts),
@@ -340,7 +340,7 @@ def sandbox_start_member(*, pool: Any) -> Sandbox:
         if not Pool.objects.select_for_update().filter(id=pool.id).exists():
             raise NotFound(f"pool {pool.id} was deleted")
         quotas.lock_team(pool.team)
-        quotas.check(pool.team, sandboxes=1, vcpu=pool.cpu, memory_mb=pool.memory_mb)
+        quotas.check(pool.team, sandboxes=1, vcpu=pool.cpu, memory_mb=pool.memory_mb, disk_mb=pool.disk_mb)
         node = node_pick(runtime=pool.runtime, cpu=pool.cpu, memory_mb=pool.memory_mb, image=image_row)
         sandbox = Sandbox.objects.create(
             team=pool.team, image=image_row.name, image_digest=image_row.digest, runtime=pool.runtime,
@@ -518,6 +518,7 @@ def sandbox_resume(*, sandbox: Sandbox) -> Sandbox:
     image_row = image_resolve(sandbox.image)
     with transaction.atomic():
         quotas.lock_team(sandbox.team)
+        # (Its disk stayed its own while paused, and counted: nothing more to check for it.)
         quotas.check(sandbox.team, sandboxes=1, vcpu=sandbox.cpu, memory_mb=sandbox.memory_mb)
         # Its files are on its node: it needs room there again (a paused sandbox held none).
         node = node_pick(runtime=sandbox.runtime, cpu=sandbox.cpu, memory_mb=sandbox.memory_mb,

@@ -146,6 +146,20 @@ def test_the_storage_quota_is_checked_when_a_volume_is_created(team):
     assert status == 429 and body["quota"] == "storage_mb" and body["limit"] == 100, body
 
 
+def test_the_disk_quota_counts_sandboxes_disks_paused_ones_included(team):
+    from runtime.models import Image, Sandbox
+
+    image, _ = Image.objects.get_or_create(name="busybox", defaults={"digest": "sha256:" + "d" * 64})
+    admin = raw(team, "c-admin")
+    Sandbox.objects.create(team=team, image="busybox", image_digest=image.digest, disk_mb=4096,
+                           status=Sandbox.Status.PAUSED)  # fmt: skip
+    call("PUT", f"/teams/{team.id}/quotas", admin, {"disk_mb": 6000})
+    status, body = call("POST", "/sandboxes", admin, {"image": "busybox", "disk_mb": 2048})
+    assert status == 429 and body["quota"] == "disk_mb" and body["used"] == 4096, body
+    assert "sandbox disks quota: 4096 MB in use, 2048 MB more asked for, limit 6000 MB" in body["detail"]
+    assert call("GET", f"/teams/{team.id}/quotas", admin)[1]["disk_mb"]["used"] == 4096
+
+
 # -- secrets ----------------------------------------------------------------------------------
 
 
