@@ -32,7 +32,6 @@ import os
 import shutil
 import struct
 import threading
-import time
 import uuid
 from pathlib import Path
 
@@ -226,24 +225,12 @@ def mount(dest: Path) -> None:
         os.close(fd)  # the mount holds the device now; without a mount, AUTOCLEAR frees it
 
 
-def unmount(dest: Path, *, lazy: bool = False) -> None:
-    """Unmount the disk at ``dest``. ``lazy`` for a disk about to be deleted: the kernel lets go
-    of it (and writes back what it still caches, into a file nobody will read) in its own time;
-    otherwise the unmount waits until the filesystem is clean, so it can be mounted again."""
-    target = str(dest / MOUNT).encode()
-    for _ in range(100):
-        if not os.path.ismount(dest / MOUNT):
-            return
-        if _libc.umount2(target, MNT_DETACH if lazy else 0) == 0 and lazy:
-            return
-        time.sleep(0.05)  # a sandbox's gofer may hold it for a moment after the sandbox died
-    _libc.umount2(target, MNT_DETACH)
-
-
 def remove(dest: Path) -> None:
-    """Unmount (lazily) and delete the disk at ``dest``."""
+    """Delete the disk at ``dest``, unmounted lazily: the kernel lets go of it (and writes back
+    what it still caches, into a file nobody will read) in its own time, not the caller's."""
     if dest.exists():
-        unmount(dest, lazy=True)
+        if os.path.ismount(dest / MOUNT):
+            _libc.umount2(str(dest / MOUNT).encode(), MNT_DETACH)
         shutil.rmtree(dest, ignore_errors=True)
 
 

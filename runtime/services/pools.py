@@ -160,8 +160,8 @@ def pool_claim(
     runtime: str,
     cpu: float,
     memory_mb: int,
+    disk_mb: int,
     claim: dict[str, Any],
-    disk_mb: int | None = None,
     network: bool = False,
     on_claim: Callable[[str, str], None] | None = None,
 ) -> Sandbox | None:
@@ -170,7 +170,6 @@ def pool_claim(
     With ``network``, only a pool with networks matches, and the caller puts its policy in
     force (:func:`claim_network`) once the claim is committed. The claim, its event and
     ``on_claim(member_id, pool_id)`` (the caller's audit record) commit together."""
-    disk_mb = settings.HANGAR_SANDBOX_DISK_MB if disk_mb is None else disk_mb
     spec = {"image": image, "runtime": runtime, "cpu": cpu, "memory_mb": memory_mb, "disk_mb": disk_mb}
     pool = Pool.objects.filter(team=team, network=network, **spec).first()
     if pool is None:
