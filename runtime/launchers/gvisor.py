@@ -157,7 +157,7 @@ class GVisorLauncher(Launcher):
         self.extra_flags = tuple(extra_flags)
         self.agent_cache_dir = Path(agent_cache_dir) if agent_cache_dir else self.state_dir / "bin"
         self._agent: Path | None = None
-        self._ckpt_flags: tuple[str, ...] | None = None
+        self._help: dict[str, str] = {}
 
     # -- plumbing -------------------------------------------------------------------------
 
@@ -178,7 +178,21 @@ class GVisorLauncher(Launcher):
         ]
         if self.platform:
             flags.append(f"--platform={self.platform}")
+        if network and self._knows("flags", "-net-disconnect-ok"):
+            # gVisor cannot save a TCP connection to outside the sandbox (the peer's side is not
+            # saved with it), and without this refuses the whole checkpoint while one is open,
+            # even one in its last ACK. With it, such connections are reset on the checkpoint,
+            # as a peer would see after any pause; connections inside the sandbox are saved.
+            flags.append("--net-disconnect-ok")
         return [*flags, *self.extra_flags, *args]
+
+    def _knows(self, command: str, flag: str) -> bool:
+        """Whether this runsc's ``command`` (``flags`` for global ones) lists ``flag``."""
+        if command not in self._help:
+            argv = [self.runsc, "flags"] if command == "flags" else [self.runsc, command, "--help"]
+            proc = _run(argv, check=False)
+            self._help[command] = proc.stdout + proc.stderr
+        return flag in self._help[command]
 
     def _dir(self, sandbox_id: str) -> Path:
         if not sandbox_id or "/" in sandbox_id or sandbox_id.startswith("."):
@@ -500,11 +514,7 @@ class GVisorLauncher(Launcher):
         # Newer runsc (2024) can skip compressing the saved memory: writing it plainly is several
         # times faster (flate runs at ~150 MB/s on one core) at the cost of disk. Older ones
         # always compress.
-        if self._ckpt_flags is None:
-            proc = _run([self.runsc, "checkpoint", "--help"], check=False)
-            text = proc.stdout + proc.stderr
-            self._ckpt_flags = ("--compression=none",) if "-compression" in text else ()
-        return self._ckpt_flags
+        return ("--compression=none",) if self._knows("checkpoint", "-compression") else ()
 
     def _release_checkpointed(self, sandbox_id: str) -> None:
         with file_lock(self.sandboxes_dir / f".{sandbox_id}.lock"):
