@@ -259,6 +259,8 @@ class Sandbox(models.Model):
     secrets = models.JSONField(default=list, blank=True)
     # Usage is counted up to here while it holds CPU and memory (None: it holds none).
     metered_at = models.DateTimeField(null=True, blank=True)
+    # Storage is counted up to here while it holds its own disk (None: it holds none).
+    disk_metered_at = models.DateTimeField(null=True, blank=True)
     # Ports of servers inside that have a preview URL: [{"port": 8000, "public": false}].
     ports = models.JSONField(default=list, blank=True)
     # Egress: {"egress": "none" | "allowlist" | "all", "allow": [...]}; {} is none.

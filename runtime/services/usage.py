@@ -4,8 +4,11 @@ A sandbox accrues vCPU-seconds and GB-seconds of memory while it holds them (sta
 running, pausing, resuming): :func:`runtime.lifecycle.transition` counts the slice up to every
 change of state into and out of those, and the beat's :func:`meter` counts running ones up to
 now every ``HANGAR_METER_TICK_S``, so the hourly rows fill while sandboxes run. A volume
-accrues GB-hours of storage from creation to deletion. A slice that spans hours is split
-between them. Every slice is counted once: ``metered_at`` moves under the row's lock.
+accrues GB-hours of storage from creation to deletion, and a sandbox's own disk (``disk_mb``)
+while the node holds it: from its start to its stop or failure, paused included unless the
+sandbox is ephemeral (whose pause lets its disk go). A slice that spans hours is split between
+them. Every slice is counted once: ``metered_at`` and ``disk_metered_at`` move under the row's
+lock.
 
 Cost: the team's rates (site defaults from settings and the site administrators, per team over
 them) times its usage. A budget is per calendar month (UTC): at 80% the team is warned (audit
@@ -22,7 +25,7 @@ from typing import Any
 
 from django.conf import settings
 from django.db import connection, transaction
-from django.db.models import Sum
+from django.db.models import Q, Sum
 from django.utils import timezone
 
 from ..errors import InvalidValue, QuotaExceeded
@@ -33,6 +36,7 @@ from .quotas import UNREAD
 log = logging.getLogger(__name__)
 S = Sandbox.Status
 BILLED = (S.STARTING, S.RUNNING, S.PAUSING, S.RESUMING)
+DISK_HELD = (*BILLED, S.PAUSED, S.STOPPING)
 METRICS = ("vcpu_seconds", "memory_gb_seconds", "storage_gb_hours", "gpu_seconds", "sandboxes")
 RATES = {
     "vcpu_hour": "HANGAR_RATE_VCPU_HOUR",
@@ -86,29 +90,45 @@ def count_start(team_id: int, at: datetime) -> None:
     _upsert(team_id, _hour(at), sandboxes=1)
 
 
+def holds_disk(row: Sandbox, status: str) -> bool:
+    """Whether a sandbox in ``status`` holds its own disk on its node."""
+    return row.disk_mb > 0 and status in DISK_HELD and not (status == S.PAUSED and row.ephemeral)
+
+
 def on_transition(row: Sandbox, to: str, now: datetime) -> dict[str, Any]:
     """Called by :func:`runtime.lifecycle.transition` with the locked row: counts what it held
     up to now when it stops holding, and returns the fields to write with the new status."""
+    out: dict[str, Any] = {}
     was, will = row.status in BILLED, to in BILLED
     if row.status == S.PENDING and to == S.STARTING:
         count_start(row.team_id, now)
     if was and not will:
         if row.metered_at is not None:
             accrue(row.team_id, row.metered_at, now, vcpu=row.cpu, memory_mb=row.memory_mb)
-        return {"metered_at": None}
-    if will and not was:
-        return {"metered_at": now}
-    return {}
+        out["metered_at"] = None
+    elif will and not was:
+        out["metered_at"] = now
+    had, will_hold = holds_disk(row, row.status), holds_disk(row, to)
+    if had and not will_hold:
+        if row.disk_metered_at is not None:
+            accrue(row.team_id, row.disk_metered_at, now, storage_mb=row.disk_mb)
+        out["disk_metered_at"] = None
+    elif will_hold and not had:
+        out["disk_metered_at"] = now
+    return out
 
 
 def meter(now: datetime | None = None) -> int:
-    """Count every running sandbox and every volume up to now (the beat, each minute).
+    """Count every running sandbox, every sandbox disk and every volume up to now (the beat,
+    each minute).
     Rows another process holds locked are left for the next tick."""
     now = now or timezone.now()
     n = 0
     with transaction.atomic():
-        # Running since before metering existed: counted from now on.
+        # Running (or holding a disk) since before metering existed: counted from now on.
         Sandbox.objects.filter(status__in=BILLED, metered_at__isnull=True).update(metered_at=now)
+        holding_disk = Q(status__in=DISK_HELD, disk_mb__gt=0) & ~Q(status=S.PAUSED, ephemeral=True)
+        Sandbox.objects.filter(holding_disk, disk_metered_at__isnull=True).update(disk_metered_at=now)
         # Summed per (team, hour) and written in that order: a transition writing one of the same
         # rows meanwhile cannot deadlock with this.
         total: dict[tuple[int, datetime], dict[str, float]] = {}
@@ -126,6 +146,14 @@ def meter(now: datetime | None = None) -> int:
         ):
             add(_slices(sb.team_id, sb.metered_at, now, vcpu=sb.cpu, memory_mb=sb.memory_mb))
             Sandbox.objects.filter(id=sb.id).update(metered_at=now)
+            n += 1
+        for sb in (
+            Sandbox.objects.select_for_update(skip_locked=True)
+            .filter(holding_disk, disk_metered_at__lt=now)
+            .only("id", "team_id", "disk_mb", "disk_metered_at")
+        ):
+            add(_slices(sb.team_id, sb.disk_metered_at, now, storage_mb=sb.disk_mb))
+            Sandbox.objects.filter(id=sb.id).update(disk_metered_at=now)
             n += 1
         for vol in Volume.objects.select_for_update(skip_locked=True).only(
             "id", "team_id", "size_mb", "metered_at", "created_at"

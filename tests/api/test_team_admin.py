@@ -264,6 +264,58 @@ def test_usage_accrues_per_hour_at_each_change_of_state_and_on_the_meter(team):
     assert sum(u.vcpu_seconds for u in UsageHour.objects.filter(team=team)) == pytest.approx(total)
 
 
+def test_a_sandboxs_own_disk_accrues_storage_while_its_node_holds_it(team):
+    """From its start to its deletion, paused in stop mode included (its disk is kept); an
+    ephemeral sandbox's pause lets its disk go, and a sandbox without a disk of its own (made
+    before disks, or on a node configured without) accrues none."""
+
+    def storage() -> float:
+        return sum(u.storage_gb_hours for u in UsageHour.objects.filter(team=team))
+
+    sb = Sandbox.objects.create(team=team, image="busybox", image_digest="x", disk_mb=2048)
+    assert transition(sb.id, to="starting")
+    t0 = datetime(2026, 11, 30, 10, 30, tzinfo=UTC)
+    Sandbox.objects.filter(id=sb.id).update(metered_at=t0, disk_metered_at=t0)
+    usage_svc.meter(now=datetime(2026, 11, 30, 11, 15, tzinfo=UTC))
+    hours = {u.hour.hour: u for u in UsageHour.objects.filter(team=team, hour__day=30)}
+    assert hours[10].storage_gb_hours == pytest.approx(2 * 0.5) and hours[
+        11
+    ].storage_gb_hours == pytest.approx(2 * 0.25)
+    # Paused in stop mode: no CPU or memory, but its disk (and the files on it) are kept.
+    assert (
+        transition(sb.id, to="running") and transition(sb.id, to="pausing") and transition(sb.id, to="paused")
+    )
+    row = Sandbox.objects.get(id=sb.id)
+    assert row.metered_at is None and row.disk_metered_at is not None
+    Sandbox.objects.filter(id=sb.id).update(disk_metered_at=timezone.now() - timedelta(hours=1))
+    before = storage()
+    usage_svc.meter()
+    assert storage() == pytest.approx(before + 2 * 1, abs=0.01)
+    # Deleted: the last slice is counted at the change, and nothing after it.
+    Sandbox.objects.filter(id=sb.id).update(disk_metered_at=timezone.now() - timedelta(minutes=30))
+    before = storage()
+    assert transition(sb.id, to="stopping") and transition(sb.id, to="deleted")
+    assert Sandbox.objects.get(id=sb.id).disk_metered_at is None
+    assert storage() == pytest.approx(before + 2 * 0.5, abs=0.01)
+    usage_svc.meter()
+    assert storage() == pytest.approx(before + 2 * 0.5, abs=0.01)
+    # Ephemeral: counted while running, not while paused (the pause removed its disk).
+    eph = Sandbox.objects.create(team=team, image="busybox", image_digest="x", disk_mb=4096, ephemeral=True)
+    assert transition(eph.id, to="starting") and transition(eph.id, to="running")
+    assert transition(eph.id, to="pausing") and transition(eph.id, to="paused")
+    assert Sandbox.objects.get(id=eph.id).disk_metered_at is None
+    before = storage()
+    usage_svc.meter()
+    assert storage() == pytest.approx(before, abs=0.01)
+    assert transition(eph.id, to="resuming")
+    assert Sandbox.objects.get(id=eph.id).disk_metered_at is not None
+    # No disk of its own: nothing, and the meter does not start counting it either.
+    none = Sandbox.objects.create(team=team, image="busybox", image_digest="x", disk_mb=0)
+    assert transition(none.id, to="starting") and transition(none.id, to="running")
+    usage_svc.meter()
+    assert Sandbox.objects.get(id=none.id).disk_metered_at is None
+
+
 def test_usage_api_reports_hours_cost_and_csv_and_the_budget_blocks_at_100_percent(team, settings):
     admin, member, staff = raw(team, "c-admin"), raw(team, "c-member"), raw(team, "c-staff")
     now = timezone.now()
