@@ -202,6 +202,11 @@ class SandboxRow:
         return self.stats.get("memory_bytes")
 
     @property
+    def disk_bytes(self) -> int | None:
+        """Written to its own disk (None: no sample, or no disk of its own)."""
+        return self.stats.get("disk_bytes") if self.sandbox.disk_mb else None
+
+    @property
     def memory_limit_bytes(self) -> int:
         return self.sandbox.memory_mb * 1024 * 1024
 

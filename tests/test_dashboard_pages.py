@@ -119,24 +119,31 @@ def test_sandbox_list_shows_the_current_teams_sandboxes_only(client, ann, alpha,
 
 
 @pytest.mark.django_db
-def test_sandbox_list_shows_cpu_and_memory_in_use_from_the_last_sample(client, ann, alpha):
+def test_sandbox_list_and_page_show_cpu_memory_and_disk_in_use_from_the_last_sample(client, ann, alpha):
     import json
 
     from runtime.notify import redis_client
     from runtime.services.sandboxes import STATS_KEY
 
-    sampled, unsampled = _sandbox(alpha), _sandbox(alpha)
-    redis_client().hset(
-        STATS_KEY, sampled.id, json.dumps({"cpu_pct": 12.4, "memory_bytes": 50 * 1024 * 1024})
-    )
+    sampled, unsampled = _sandbox(alpha, disk_mb=2048), _sandbox(alpha)
+    sample = {"cpu_pct": 12.4, "memory_bytes": 50 * 1024 * 1024, "disk_bytes": 300 * 1024 * 1024}
+    redis_client().hset(STATS_KEY, sampled.id, json.dumps(sample))
     try:
         page = client.get("/sandboxes/").content.decode()
+        detail = client.get(f"/sandboxes/{sampled.id}/").content.decode()
+        Sandbox.objects.filter(id=sampled.id).update(status=S.PAUSED)  # a paused one uses nothing
+        paused = client.get(f"/sandboxes/{sampled.id}/").content.decode()
     finally:
         redis_client().hdel(STATS_KEY, sampled.id)
     row = page.split(f'id="sb-{sampled.id}"')[1].split("</tr>")[0]
-    assert "12%" in row and "50.0\xa0MB" in row
+    assert "12%" in row and "50.0\xa0MB" in row and '300.0\xa0MB<span class="muted"> / 2048 MB' in row
     row = page.split(f'id="sb-{unsampled.id}"')[1].split("</tr>")[0]
     assert "—<span" in row
+    assert "Disk</th>" in page
+    disk = detail.split('id="sb-disk">')[1].split("</dd>")[0]
+    memory = detail.split('id="sb-memory">')[1].split("</dd>")[0]
+    assert "300.0\xa0MB" in disk and "2048 MB" in disk and "50.0\xa0MB" in memory, (disk, memory)
+    assert paused.split('id="sb-disk">')[1].split("</dd>")[0] == "2048 MB"
 
 
 @pytest.mark.django_db
@@ -325,7 +332,11 @@ def test_create_redirects_to_the_sandbox_page_which_shows_it_starting(client, an
     assert sandbox.env == {"A": "1", "B": "two=2"} and sandbox.memory_mb == 256 and sandbox.cpu == 0.5
     assert sandbox.on_expire == "pause" and sandbox.idle_timeout_s == 600 and sandbox.disk_mb == 2048
     page = client.get(r["Location"]).content.decode()
-    assert "paused after 600 s" in page and "then paused" in page and "<dt>Disk</dt><dd>2048 MB</dd>" in page
+    assert (
+        "paused after 600 s" in page
+        and "then paused" in page
+        and '<dt>Disk</dt><dd id="sb-disk">2048 MB</dd>' in page
+    )
     assert "Scheduled on node" in page and 'id="sb-progress"' in page and "spinner" in page
     assert f'ws-connect="/ws/ui/sandboxes/{sandbox.id}?after=' in page
 
