@@ -101,6 +101,27 @@ class _Base(AsyncWebsocketConsumer):
     async def send_json(self, obj: dict[str, Any]) -> None:
         await self.send(text_data=json.dumps(obj, separators=(",", ":")))
 
+    target: proc_svc.FollowTarget
+    input_sent = 0
+
+    async def _send_input(self, data: bytes) -> None:
+        """The client's input for the process. A websocket's frames cannot be held back, so
+        nothing waits here; input the node refuses (the command has left too much unread) is
+        reported to this client (:meth:`proc_input_acked`) rather than dropped without a word."""
+        if not data:
+            return
+        self.input_sent += len(data)
+        await proc_svc.process_send_patiently(node_name=self.target.node_name, key=self.target.key,
+                                              kind=streams.INPUT, data=data, ack_to=self.channel_name,
+                                              upto=self.input_sent)  # fmt: skip
+
+    async def proc_input_acked(self, event: dict[str, Any]) -> None:
+        """The bridge on this client's input (``proc.input_acked``, to this consumer's channel)."""
+        if event.get("refused"):
+            await self.send_json(
+                {"type": "error", "message": f"input refused: {proc_svc.input_refused_message()}"}
+            )
+
 
 class TerminalConsumer(_Base):
     """A viewer of one terminal; any number may watch the same one."""
@@ -171,8 +192,7 @@ class TerminalConsumer(_Base):
             await self.send_json({"type": "error", "message": f"unknown message type {kind!r}"})
 
     async def _input(self, data: bytes) -> None:
-        if data:
-            await self._send(streams.INPUT, data=data)
+        await self._send_input(data)
 
     async def _ack(self, nbytes: int) -> None:
         # The client counts bytes; the bridge wants offsets: walk the frames it has consumed.
@@ -272,7 +292,7 @@ class ExecConsumer(_Base):
     async def receive(self, text_data: str | None = None, bytes_data: bytes | None = None) -> None:
         if bytes_data is not None:
             if self.pump is not None and not await self._refuse_viewer():
-                await self._send(streams.INPUT, data=bytes_data)
+                await self._send_input(bytes_data)
             return
         try:
             msg = json.loads(text_data or "")
@@ -293,9 +313,9 @@ class ExecConsumer(_Base):
             return
         try:
             if kind == "stdin":
-                await self._send(streams.INPUT, data=str(msg.get("data", "")).encode())
+                await self._send_input(str(msg.get("data", "")).encode())
             elif kind == "stdin_b64":
-                await self._send(streams.INPUT, data=base64.b64decode(str(msg.get("data", ""))))
+                await self._send_input(base64.b64decode(str(msg.get("data", ""))))
             elif kind == "eof":
                 await self._send(streams.EOF)
             elif kind == "signal":

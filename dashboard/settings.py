@@ -276,6 +276,8 @@ HANGAR_ACTIVITY_REPORT_S = env_int("HANGAR_ACTIVITY_REPORT_S", 30, minimum=1)
 # holds the command back; it runs again once the viewer is within the low mark.
 HANGAR_FLOW_HIGH_BYTES = env_int("HANGAR_FLOW_HIGH_BYTES", 128 * 1024, minimum=4096)
 HANGAR_FLOW_LOW_BYTES = env_int("HANGAR_FLOW_LOW_BYTES", 32 * 1024, minimum=1024)
+# Input a live command has not read yet that its node keeps for it; more is refused.
+HANGAR_STDIN_PENDING_BYTES = env_int("HANGAR_STDIN_PENDING_BYTES", 8 * 1024 * 1024, minimum=1024 * 1024)
 HANGAR_TERMINAL_SCROLLBACK_BYTES = env_int("HANGAR_TERMINAL_SCROLLBACK_BYTES", 256 * 1024, minimum=64 * 1024)
 HANGAR_FILE_MAX_BYTES = env_int("HANGAR_FILE_MAX_BYTES", 512 * 1024 * 1024, minimum=1024)
 HANGAR_CREATE_WAIT_S = env_int("HANGAR_CREATE_WAIT_S", 60, minimum=1)

@@ -42,7 +42,6 @@ from pathlib import Path
 from typing import Any
 
 import asyncssh
-from channels.exceptions import ChannelFull
 from django.conf import settings
 
 from runtime import streams
@@ -63,11 +62,10 @@ SFTP_SCRIPT = (
 )
 USERNAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,63}")
 PASSED_ENV_RE = re.compile(r"LANG|LANGUAGE|LC_[A-Z]+")
-INPUT_CHUNK = 64 * 1024  # input bytes per message to the bridge
+INPUT_CHUNK = proc_svc.INPUT_CHUNK  # input bytes per message to the bridge
 INPUT_HIGH = 512 * 1024  # the channel stops reading above this much unsent input…
 INPUT_LOW = 128 * 1024  # …and reads again below this
 TOUCH_EVERY_S = 15.0  # traffic marks the sandbox active at most this often
-SEND_RETRY_S = (0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)  # a full bridge channel: wait, then try again
 MAX_KEY_LOOKUPS = 10  # keys looked up per connection (OpenSSH's MaxAuthTries is 6)
 GONE_EXIT = 255  # what ssh itself returns when it fails: the gateway could not run the command
 
@@ -496,6 +494,8 @@ class Session(asyncssh.SSHServerSession[bytes]):
         return {"exit_code": None, "signal": 0, "error": "the process's output stream ended"}
 
     async def _pump_input(self) -> None:
+        assert self.target is not None
+        input_sender = proc_svc.InputSender(self.target.node_name, self.target.key)
         while True:
             if not self.inbox:
                 self.inbox_ready.clear()
@@ -511,7 +511,13 @@ class Session(asyncssh.SSHServerSession[bytes]):
                     self.reading_paused = False
                     self.chan.resume_reading()
                 self._touch()
-                await self._send(streams.INPUT, data=bytes(data))
+                # At most a window in flight: while the command does not read, this waits, the
+                # inbox fills, the channel stops reading and SSH's window holds the client.
+                try:
+                    await input_sender.send(bytes(data))
+                except proc_svc.InputRefused as exc:
+                    self._say(f"hangar: input refused: {exc.message}")
+                    return
             elif item[0] == "eof":
                 # A PTY has no half-close (sshd ignores it too): the shell ends when it exits.
                 if not self.pty:
@@ -524,15 +530,8 @@ class Session(asyncssh.SSHServerSession[bytes]):
 
     async def _send(self, kind: str, **fields: Any) -> None:
         assert self.target is not None
-        for delay in (*SEND_RETRY_S, None):
-            try:
-                await proc_svc.process_send(node_name=self.target.node_name, key=self.target.key, kind=kind,
-                                            **fields)  # fmt: skip
-                return
-            except ChannelFull:
-                if delay is None:
-                    raise
-                await asyncio.sleep(delay)
+        await proc_svc.process_send_patiently(node_name=self.target.node_name, key=self.target.key, kind=kind,
+                                              **fields)  # fmt: skip
 
     def _touch(self) -> None:
         now = time.monotonic()

@@ -13,7 +13,15 @@ they consumed (``flow``) hold the process back: while the slowest of them is mor
 ``HIGH`` bytes behind, the bridge stops reading from the agent, the agent stops reading the
 PTY, and the command blocks in write(). Reading resumes below ``LOW``. A viewer that stops
 acknowledging for ``STALE_S`` stops counting, so one frozen tab cannot stall the others.
-Input (keystrokes, Ctrl-C) travels separately and is never held back.
+Input (keystrokes, Ctrl-C) travels separately and is never held back by output.
+
+Input flow control. What a command has not read yet waits here, in order, up to
+``HANGAR_STDIN_PENDING_BYTES`` per process; input past that is refused (a sender that asked
+for acknowledgements, ``ack_to``, is told so; a terminal's keystrokes are dropped, as a full tty
+input buffer drops them). A sender that asks is told as its input is written to the command's
+stdin (``proc.input_acked`` up to an offset of its own), which is how the SSH gateway keeps at
+most a window in flight and, through SSH's own flow control, holds back a client uploading
+faster than the command reads (:class:`runtime.services.processes.InputSender`).
 
 Activity. Input, resizes, acknowledgements (output being read) and attaches mark a process
 active (a viewer's ping does not: it only keeps a connection open). Every
@@ -46,6 +54,7 @@ from .node import launcher_for
 log = logging.getLogger("hangar.bridge")
 
 HIGH = settings.HANGAR_FLOW_HIGH_BYTES  # 128 KiB by default
+STDIN_PENDING = settings.HANGAR_STDIN_PENDING_BYTES  # 8 MiB
 LOW = settings.HANGAR_FLOW_LOW_BYTES  # 32 KiB
 STALE_S = 15.0
 COALESCE_BYTES = 256 * 1024
@@ -74,6 +83,8 @@ class LiveProcess:
     outbox: deque[tuple[str | None, dict[str, Any]]] = field(default_factory=deque)
     outbox_ready: asyncio.Event = field(default_factory=asyncio.Event)
     stdin: asyncio.Queue[tuple[str, Any]] = field(default_factory=asyncio.Queue)
+    stdin_pending: int = 0  # input bytes queued and not yet written to the command
+    stdin_refused: int = 0  # input bytes refused because too much was pending
     exit: dict[str, Any] | None = None
     ended_at: float | None = None
     tasks: list[asyncio.Task[None]] = field(default_factory=list)
@@ -157,6 +168,8 @@ class Bridge:
                 self._attach(lp, msg)
             return
         if lp is None:
+            if kind == streams.INPUT:
+                await self._ack_input(msg)  # nothing to wait for: the process is not here
             return
         if kind == streams.ACK:
             viewer = lp.viewers.get(msg["reply"])
@@ -167,7 +180,20 @@ class Bridge:
         elif kind == streams.DETACH:
             lp.viewers.pop(msg["reply"], None)
             self._update_flow(lp)
-        elif kind in (streams.INPUT, streams.EOF, streams.RESIZE, streams.SIGNAL):
+        elif kind == streams.INPUT:
+            size = len(msg.get("data") or b"")
+            if lp.exit is not None:
+                await self._ack_input(msg)
+            elif size and lp.stdin_pending + size > STDIN_PENDING:
+                if not lp.stdin_refused:
+                    log.warning("bridge: %s has %d bytes of input it has not read; refusing more",
+                                lp.key, lp.stdin_pending)  # fmt: skip
+                lp.stdin_refused += size
+                await self._ack_input(msg, refused=True)
+            else:
+                lp.stdin_pending += size
+                lp.stdin.put_nowait((kind, msg))
+        elif kind in (streams.EOF, streams.RESIZE, streams.SIGNAL):
             if lp.exit is None:
                 lp.stdin.put_nowait((kind, msg))
         elif kind == streams.KILL:
@@ -217,6 +243,7 @@ class Bridge:
         self.procs[key] = lp
         initial = msg.get("stdin_data")
         if initial:
+            lp.stdin_pending += len(initial)
             lp.stdin.put_nowait((streams.INPUT, {"data": initial}))
         if not msg.get("stdin_open"):
             lp.stdin.put_nowait((streams.EOF, {}))
@@ -277,6 +304,12 @@ class Bridge:
         ) | {"duration_ms": round(duration_ms, 1)}
         lp.may_read.set()
         lp.post(None, {"type": streams.EXIT, "key": lp.key, "end": lp.ring.end, "exit": lp.exit})
+        # Input it will never read: its senders need not wait for it.
+        while not lp.stdin.empty():
+            kind, msg = lp.stdin.get_nowait()
+            if kind == streams.INPUT:
+                lp.stdin_pending -= len(msg.get("data") or b"")
+                asyncio.ensure_future(self._ack_input(msg))
         with contextlib.suppress(Exception):
             lp.process.close()
         asyncio.ensure_future(asyncio.to_thread(_record_end, lp.key, lp.exit, lp.ring, duration_ms))
@@ -339,7 +372,13 @@ class Bridge:
             kind, msg = await lp.stdin.get()
             try:
                 if kind == streams.INPUT:
-                    await asyncio.to_thread(lp.process.send_stdin, bytes(msg["data"]))
+                    data = bytes(msg.get("data") or b"")
+                    try:
+                        if data:
+                            await asyncio.to_thread(lp.process.send_stdin, data)
+                    finally:
+                        lp.stdin_pending -= len(data)
+                        await self._ack_input(msg)
                 elif kind == streams.EOF:
                     await asyncio.to_thread(lp.process.close_stdin)
                 elif kind == streams.RESIZE:
@@ -348,6 +387,17 @@ class Bridge:
                     await asyncio.to_thread(lp.process.send_signal, int(msg["signal"]))
             except (OSError, LauncherError, ValueError, KeyError) as exc:
                 log.debug("bridge: input to %s failed: %s", lp.key, exc)
+
+    async def _ack_input(self, msg: dict[str, Any], refused: bool = False) -> None:
+        if not msg.get("ack_to"):
+            return
+        reply = {"type": streams.INPUT_ACKED, "key": msg.get("key"), "upto": msg.get("upto", 0)}
+        if refused:
+            reply["refused"] = True
+        try:
+            await self.layer.send(msg["ack_to"], reply)
+        except Exception as exc:  # the sender is gone, or its channel full: it resends nothing
+            log.debug("bridge: could not acknowledge input to %s: %s", msg["ack_to"], exc)
 
     # -- housekeeping ------------------------------------------------------------------------
 

@@ -28,6 +28,9 @@ START, ATTACH, DETACH, ACK, INPUT, EOF, RESIZE, SIGNAL, KILL = (
 STARTED, FAILED, OUTPUT, SYNCED, EXIT, UNKNOWN = (
     "proc.started", "proc.failed", "proc.output", "proc.synced", "proc.exit", "proc.unknown",
 )  # fmt: skip
+# To an input's sender that asked (``ack_to``): its input up to ``upto`` was written to the
+# process's stdin (or will never be: the process ended), or was ``refused`` (too much unread).
+INPUT_ACKED = "proc.input_acked"
 
 _UNSAFE = re.compile(r"[^a-zA-Z0-9_.-]")
 

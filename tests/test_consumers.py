@@ -336,6 +336,28 @@ def test_exec_socket_streams_output_and_takes_stdin(sandbox, team_token):
     asyncio.run(main())
 
 
+def test_exec_socket_input_the_command_leaves_unread_is_refused_past_the_bound_with_a_message(
+    sandbox, team_token
+):
+    """A websocket cannot be held back, so its input past what the node keeps unread for a
+    command (8 MiB) is refused, and the client is told so, not left to find bytes missing."""
+
+    async def main() -> None:
+        comm = communicator(f"/ws/v1/sandboxes/{sandbox}/exec", team_token)
+        assert (await comm.connect())[0]
+        await comm.send_json_to({"cmd": "sleep 60"})
+        assert (await comm.receive_json_from(10))["type"] == "start"
+        for _ in range(12):
+            await comm.send_to(bytes_data=b"\0" * (1024 * 1024))
+        error = await comm.receive_json_from(20)
+        assert error["type"] == "error" and error["message"].startswith(
+            "input refused: the process has not read the input it was sent"
+        ), error
+        await comm.disconnect()
+
+    asyncio.run(main())
+
+
 def test_exec_socket_attaches_to_a_background_process(api, sandbox, team_token):
     proc = api.post(f"/sandboxes/{sandbox}/exec", json={"cmd": "echo before; read x; echo after:$x", "background": True,
                                                         "stdin_open": True}).json()  # fmt: skip

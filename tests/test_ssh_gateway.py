@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -245,6 +246,32 @@ def test_file_transfers_leave_their_processes_ended(api, box, gateway, keys, tmp
         return all(p["status"] != "running" for p in api.get(f"/sandboxes/{box['sandbox']}/processes").json())
 
     wait_until(ended, 5, interval=0.2, what="the transfers' processes to be recorded as ended")
+
+
+def test_an_upload_faster_than_the_command_reads_is_held_back_not_buffered(box, gateway, keys, bridge):
+    """SSH's flow control reaches the command: while it does not read (sleep), the client is
+    held back, and the node's stream bridge does not take the upload into its memory."""
+
+    def rss_mb() -> float:
+        status = Path(f"/proc/{bridge.pid}/status").read_text()
+        return int(next(line for line in status.splitlines() if line.startswith("VmRSS:")).split()[1]) / 1024
+
+    size = 48 * 1024 * 1024
+    src = Path(tempfile.mkdtemp()) / "big.bin"
+    src.write_bytes(os.urandom(1024 * 1024) * 48)
+    before = rss_mb()
+    argv = ["ssh", *CLIENT_OPTS, *QUIET, "-i", str(keys["alice"]), "-p", str(gateway["port"]), "-T",
+            "box@127.0.0.1", "sleep 6; wc -c"]  # fmt: skip
+    with open(src, "rb") as stdin:
+        proc = subprocess.Popen(argv, stdin=stdin, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        peak = before
+        while proc.poll() is None:
+            peak = max(peak, rss_mb())
+            time.sleep(0.1)
+        out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, (out, err)
+    assert int(out.split()[0]) == size  # every byte, once the command read
+    assert peak - before < 16, f"the bridge grew by {peak - before:.1f} MB while the command did not read"
 
 
 # -- who may connect ----------------------------------------------------------------------------------

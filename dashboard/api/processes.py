@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator
 from datetime import datetime
 from typing import Any, Literal
 
+from django.conf import settings
 from django.http import HttpRequest, StreamingHttpResponse
 from ninja import Query, Router, Schema
 from pydantic import Field
@@ -27,6 +28,8 @@ from runtime.services import processes as proc_svc
 from runtime.services import sandboxes as svc
 
 from .blocking import blocking
+
+STDIN_WAIT_S = 5.0  # a stdin call answers once its input is read, or after this long
 
 router = Router(tags=["processes"])
 
@@ -195,7 +198,10 @@ async def process_output(request: HttpRequest, sandbox_id: str, process_id: int,
 @router.post("/{sandbox_id}/processes/{process_id}/stdin", response={202: None})
 async def process_stdin(request: HttpRequest, sandbox_id: str, process_id: int, payload: StdinIn):
     """Send input (`data` as text, or `data_b64`); `close` ends its stdin afterwards. Needs a
-    process started with `stdin_open`."""
+    process started with `stdin_open`. Answers once its node has written it to the command's
+    stdin (at once, unless the command has left earlier input unread), or after 5 s with it
+    still queued there; 409 when the node already holds as much unread input for the process
+    as it keeps (`HANGAR_STDIN_PENDING_BYTES`)."""
     sandbox, row = await blocking(_process)(request, sandbox_id, process_id)
     _require_live(row)
     data = payload.data.encode()
@@ -204,9 +210,14 @@ async def process_stdin(request: HttpRequest, sandbox_id: str, process_id: int, 
             data = base64.b64decode(payload.data_b64, validate=True)
         except ValueError:
             raise InvalidValue("data_b64 is not valid base64") from None
+    limit = settings.HANGAR_STDIN_PENDING_BYTES
+    if len(data) > limit:
+        raise InvalidValue(f"at most {limit} bytes of input per call ({len(data)} given): send it in parts")
     target = _target(sandbox, row)
     if data:
-        await proc_svc.process_send(node_name=target.node_name, key=target.key, kind=streams.INPUT, data=data)
+        sender = proc_svc.InputSender(target.node_name, target.key)
+        await sender.send(data, whole=True)  # taken or refused as a whole
+        await sender.drain(STDIN_WAIT_S)
     if payload.close:
         await proc_svc.process_send(node_name=target.node_name, key=target.key, kind=streams.EOF)
     return 202, None

@@ -17,6 +17,7 @@ from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
 
+from channels.exceptions import ChannelFull
 from django.conf import settings
 from django.contrib.auth.models import AbstractBaseUser
 from django.db.models import QuerySet
@@ -270,6 +271,95 @@ async def process_send(*, node_name: str, key: str, kind: str, **fields: Any) ->
     """Input for a live process: ``proc.input`` (data), ``proc.eof``, ``proc.resize`` (rows,
     cols), ``proc.signal`` (signal), ``proc.kill``, ``proc.ack``/``proc.detach`` (reply)."""
     await _layer().send(streams.bridge_channel(node_name), {"type": kind, "key": key, **fields})
+
+
+async def process_send_patiently(*, node_name: str, key: str, kind: str, **fields: Any) -> None:
+    """:func:`process_send`, waiting and trying again while the bridge's channel is full (for
+    a client's input, which must not be lost)."""
+    for delay in (*SEND_RETRY_S, None):
+        try:
+            await process_send(node_name=node_name, key=key, kind=kind, **fields)
+            return
+        except ChannelFull:
+            if delay is None:
+                raise
+            await asyncio.sleep(delay)
+
+
+INPUT_CHUNK = 64 * 1024  # input bytes per message to the bridge
+INPUT_WINDOW = 256 * 1024  # sent and not yet written to the command: the sender waits above this
+SEND_RETRY_S = (0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)  # a full bridge channel: wait, then try again
+
+
+class InputRefused(Conflict):
+    """The process's node already holds as much unread input for it as it keeps."""
+
+
+def input_refused_message() -> str:
+    mib = settings.HANGAR_STDIN_PENDING_BYTES / (1024 * 1024)
+    return (
+        f"the process has not read the input it was sent ({mib:g} MiB is waiting, as much as its node keeps); "
+        "send more once it has read some"
+    )
+
+
+class InputSender:
+    """Input for one live process from one source (an SSH channel, an API call), paced by the
+    command: at most ``window`` bytes are sent and not yet written to its stdin, and
+    :meth:`send` waits for the rest. The node's bridge says how far it has written (see
+    :mod:`runtime.bridge`) on a channel of this sender's own, so a sender that stops reading
+    its client while it waits holds the client back through its transport's own flow control."""
+
+    def __init__(self, node_name: str, key: str, *, window: int = INPUT_WINDOW) -> None:
+        self.node_name, self.key, self.window = node_name, key, max(window, INPUT_CHUNK)
+        self.sent = 0  # bytes sent to the bridge
+        self.written = 0  # of which the bridge has said are written (or moot: the process ended)
+        self.asked = 0  # the offset of the last acknowledgement asked for
+        self.channel = ""
+        self._layer = _layer()
+
+    async def send(self, data: bytes, *, whole: bool = False) -> None:
+        """Send ``data`` in order, in chunks (``whole``: in one message, which the node takes or
+        refuses as a whole). Raises :class:`InputRefused`."""
+        pieces = [data] if whole else [data[i : i + INPUT_CHUNK] for i in range(0, len(data), INPUT_CHUNK)]
+        for piece in pieces:
+            while self.sent - self.written >= self.window:
+                await self._acked()
+            self.sent += len(piece)
+            fields: dict[str, Any] = {"data": piece}
+            if whole or self.sent - self.asked >= ACK_EVERY_BYTES:
+                fields.update(await self._ask())
+            await self._send(streams.INPUT, **fields)
+
+    async def drain(self, timeout: float) -> bool:
+        """Wait until everything sent is written to the command's stdin: False if it has not
+        been within ``timeout`` (it stays queued). Raises :class:`InputRefused`."""
+        if self.asked < self.sent:
+            await self._send(streams.INPUT, data=b"", **await self._ask())  # acknowledged in order
+        try:
+            async with asyncio.timeout(timeout):
+                while self.written < self.sent:
+                    await self._acked()
+        except TimeoutError:
+            return False
+        return True
+
+    async def _ask(self) -> dict[str, Any]:
+        if not self.channel:
+            self.channel = await self._layer.new_channel()
+        self.asked = self.sent
+        return {"ack_to": self.channel, "upto": self.sent}
+
+    async def _acked(self) -> None:
+        msg = await self._layer.receive(self.channel)
+        if msg.get("type") != streams.INPUT_ACKED or msg.get("key") != self.key:
+            return
+        if msg.get("refused"):
+            raise InputRefused(input_refused_message())
+        self.written = max(self.written, int(msg.get("upto") or 0))
+
+    async def _send(self, kind: str, **fields: Any) -> None:
+        await process_send_patiently(node_name=self.node_name, key=self.key, kind=kind, **fields)
 
 
 def signal_number(value: str | int) -> int:

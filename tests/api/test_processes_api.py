@@ -3,6 +3,7 @@ stream bridge process, real runsc sandboxes."""
 
 from __future__ import annotations
 
+import base64
 import json
 import time
 
@@ -128,6 +129,21 @@ def test_background_process_stdin_and_signals(api, sandbox):
     out = ndjson(api, "GET", f"{url}/output")
     assert "".join(e["data"] for e in out if e["type"] == "stdout") == "hello\nworld\n"
     assert api.post(f"{url}/stdin", json={"data": "x"}).status_code == 409
+
+    # Input a command does not read waits on its node up to a bound (8 MiB), then is refused
+    # with what to do; a call over the bound is refused before anything is sent.
+    deaf = api.post(f"/sandboxes/{sandbox}/exec", json={"cmd": "sleep 120", "background": True,
+                                                        "stdin_open": True}).json()  # fmt: skip
+    url = f"/sandboxes/{sandbox}/processes/{deaf['id']}"
+    big = base64.b64encode(b"\0" * (8 * 1024 * 1024 + 1)).decode()
+    r = api.post(f"{url}/stdin", json={"data_b64": big})
+    assert r.status_code == 422 and "at most 8388608 bytes of input per call" in r.json()["detail"], r.text
+    started = time.monotonic()
+    r = api.post(f"{url}/stdin", json={"data_b64": base64.b64encode(b"\0" * (8 * 1024 * 1024)).decode()})
+    assert r.status_code == 202 and time.monotonic() - started >= 4, r.text  # it waited to be read
+    r = api.post(f"{url}/stdin", json={"data": "more"})
+    assert r.status_code == 409 and "has not read the input it was sent" in r.json()["detail"], r.text
+    api.post(f"{url}/signal", json={"signal": "KILL"})
 
     sleeper = api.post(f"/sandboxes/{sandbox}/exec", json={"cmd": "trap 'echo got TERM; exit 7' TERM; while :; do sleep 0.1; done", "background": True}).json()  # fmt: skip
     url = f"/sandboxes/{sandbox}/processes/{sleeper['id']}"
