@@ -378,7 +378,8 @@ class Bridge:
                             await asyncio.to_thread(lp.process.send_stdin, data)
                     finally:
                         lp.stdin_pending -= len(data)
-                        await self._ack_input(msg)
+                        if msg.get("ack_to"):  # not waited for: the next write goes at once
+                            asyncio.ensure_future(self._ack_input(msg))
                 elif kind == streams.EOF:
                     await asyncio.to_thread(lp.process.close_stdin)
                 elif kind == streams.RESIZE:

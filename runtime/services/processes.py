@@ -287,7 +287,8 @@ async def process_send_patiently(*, node_name: str, key: str, kind: str, **field
 
 
 INPUT_CHUNK = 64 * 1024  # input bytes per message to the bridge
-INPUT_WINDOW = 256 * 1024  # sent and not yet written to the command: the sender waits above this
+INPUT_WINDOW = 2 * 1024 * 1024  # sent and not yet written to the command: the sender waits above this
+INPUT_ACK_EVERY = 256 * 1024  # a sender asks to hear how far its input is written this often
 SEND_RETRY_S = (0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)  # a full bridge channel: wait, then try again
 
 
@@ -312,6 +313,7 @@ class InputSender:
 
     def __init__(self, node_name: str, key: str, *, window: int = INPUT_WINDOW) -> None:
         self.node_name, self.key, self.window = node_name, key, max(window, INPUT_CHUNK)
+        self.ack_every = min(INPUT_ACK_EVERY, self.window // 4)  # several answers per window
         self.sent = 0  # bytes sent to the bridge
         self.written = 0  # of which the bridge has said are written (or moot: the process ended)
         self.asked = 0  # the offset of the last acknowledgement asked for
@@ -324,10 +326,12 @@ class InputSender:
         pieces = [data] if whole else [data[i : i + INPUT_CHUNK] for i in range(0, len(data), INPUT_CHUNK)]
         for piece in pieces:
             while self.sent - self.written >= self.window:
+                if self.asked <= self.written:  # nothing asked for that could answer
+                    await self._send(streams.INPUT, data=b"", **await self._ask())
                 await self._acked()
             self.sent += len(piece)
             fields: dict[str, Any] = {"data": piece}
-            if whole or self.sent - self.asked >= ACK_EVERY_BYTES:
+            if whole or self.sent - self.asked >= self.ack_every:
                 fields.update(await self._ask())
             await self._send(streams.INPUT, **fields)
 
