@@ -36,6 +36,7 @@ test: install test-deps services
 lint: venv
 	$(VENV)/bin/ruff check dashboard runtime tests bench
 	$(VENV)/bin/ruff format --check dashboard runtime tests bench
+	$(VENV)/bin/mypy
 
 bench-tti: install
 	$(PY) bench/tti.py

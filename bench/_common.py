@@ -112,13 +112,13 @@ def destroy_leftovers(data_dir: Path) -> None:
     """Whatever a run left behind (sandboxes, spare disks, volume mounts) must not outlive the bench's
     data dir."""
     sys.path.insert(0, str(ROOT))
-    from runtime.launchers.gvisor import GVisorLauncher
-    from runtime.launchers.volumes import VolumeStore
+    from runtime.host.volumes import VolumeStore
+    from runtime.launchers.gvisor.launcher import GVisorLauncher
 
     launcher = GVisorLauncher(state_dir=data_dir / "runtime" / "gvisor")
-    for sandbox_id in launcher.list():
-        launcher.destroy_id(sandbox_id)
-    launcher.disks.drain()  # the node's spare sandbox disks (loop mounts)
+    for sandbox_id in launcher.states():
+        launcher.destroy(launcher.handle_for(sandbox_id))
+    launcher.release_spares()  # the node's spare sandbox disks (loop mounts)
     store = VolumeStore(data_dir / "volumes")
     for volume_id in store.list():
         store.delete(volume_id)

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""What a sandbox's own disk costs (runtime/launchers/disks.py), at the launcher level:
+"""What a sandbox's own disk costs (runtime/host/disks.py), at the launcher level:
 
 (a) making one disk (sparse copy of the size's template, loop attach, mount) and removing it,
     one after another and N at once (threads, as a node's worker makes them);
@@ -29,10 +29,10 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from _common import summary, write_results  # noqa: E402
 
-from runtime.launchers import disks  # noqa: E402
+from runtime.host import disks  # noqa: E402
+from runtime.host.images.store import ImageStore  # noqa: E402
 from runtime.launchers.base import ExecRequest, SandboxSpec  # noqa: E402
-from runtime.launchers.gvisor import GVisorLauncher  # noqa: E402
-from runtime.launchers.images import ImageStore  # noqa: E402
+from runtime.launchers.gvisor.launcher import GVisorLauncher  # noqa: E402
 
 
 def at_once(n: int, work) -> tuple[list[float], float]:
@@ -126,7 +126,7 @@ def main() -> None:
                 writes[label].append(r.duration_ms / 1000)
             launcher.destroy(handle)
         results["write_64mb"] = {label: summary(v) for label, v in writes.items()}
-        launcher.disks.drain()
+        launcher.release_spares()
 
     ms = 1000.0
     rows = [

@@ -27,7 +27,7 @@ sys.path.insert(0, str(ROOT))
 
 from _common import client, start_hangar, stop_hangar, summary, write_results  # noqa: E402
 
-from runtime.launchers.agent_client import AgentClient  # noqa: E402
+from runtime.launchers.agent.client import AgentClient  # noqa: E402
 
 SPEC = {"image": "busybox", "cpu": 0.5, "memory_mb": 256}
 

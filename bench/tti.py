@@ -36,8 +36,8 @@ sys.path.insert(0, str(ROOT))
 
 from _common import client, start_hangar, stop_hangar, summary, write_results  # noqa: E402
 
-from runtime.launchers.gvisor import DEFAULT_PLATFORM, default_runsc  # noqa: E402
-from runtime.launchers.images import ImageStore  # noqa: E402
+from runtime.host.images.store import ImageStore  # noqa: E402
+from runtime.launchers.gvisor.runsc import DEFAULT_PLATFORM, default_runsc  # noqa: E402
 
 RUNSC = os.environ.get("HANGAR_RUNSC") or default_runsc()  # the one Hangar itself runs
 PLATFORM = os.environ.get("HANGAR_RUNSC_PLATFORM", DEFAULT_PLATFORM)  # and the same platform
@@ -187,7 +187,7 @@ def exec_latency(api: httpx.Client, sandbox_id: str, n: int) -> list[float]:
 
 
 def launcher_exec_latency(data_dir: Path, sandbox_id: str, n: int) -> list[float]:
-    from runtime.launchers.agent_client import AgentClient
+    from runtime.launchers.agent.client import AgentClient
 
     sock = data_dir / "runtime" / "gvisor" / "sandboxes" / sandbox_id / "run" / "agent.sock"
     agent = AgentClient(sock)

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import shutil
 import signal
 import stat
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -71,7 +73,7 @@ def _start_embedded_redis(data_dir: Path) -> subprocess.Popen[bytes]:
 
 def _prepare_node(settings: Any, *, build_default_image: bool) -> None:
     from runtime.launchers.base import LauncherError
-    from runtime.node import launcher_for, local_node_name, local_runtimes, node_memory_mb
+    from runtime.node.local import local_capabilities, local_launchers, local_node_name, node_memory_mb
     from runtime.services.images import image_build, images_sync_local
     from runtime.services.nodes import local_disk_free_mb, node_register
 
@@ -81,13 +83,13 @@ def _prepare_node(settings: Any, *, build_default_image: bool) -> None:
         f"{settings.HANGAR_NODE_ADDRESS}:{settings.HANGAR_TUNNEL_PORT}" if settings.HANGAR_TUNNEL_PORT else ""
     )
     node_register(
-        name=local_node_name(), runtimes=local_runtimes(), cpu=settings.HANGAR_NODE_CPU, memory_mb=node_memory_mb(),
+        name=local_node_name(), launchers=local_capabilities(), cpu=settings.HANGAR_NODE_CPU, memory_mb=node_memory_mb(),
         version=_version(), tunnel_address=tunnel, disk_free_mb=local_disk_free_mb(),
     )  # fmt: skip
     images = images_sync_local()
-    for runtime in local_runtimes():
+    for runtime, launcher in local_launchers().items():
         try:
-            launcher_for(runtime).prepare()  # so the first create does not wait for it
+            launcher.prepare()  # so the first create does not wait for it
         except LauncherError as exc:
             _say(f"hangar: warning: the {runtime} runtime could not prepare: {exc}")
     if build_default_image and not images:
@@ -135,7 +137,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         settings = _setup_django()
         _migrate()
         from runtime.models import Node
-        from runtime.node import local_node_name
+        from runtime.node.local import local_node_id, local_node_name
         from runtime.services.auth import bootstrap_admin, token_create
 
         user, team, password = bootstrap_admin()
@@ -150,7 +152,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         if redis_proc is not None:
             env["REDIS_URL"] = settings.REDIS_URL
         specs = [
-            ("server", [py, "-m", "daphne", "-b", args.host, "-p", str(args.port), "-v", "0",
+            ("server", [py, "-m", "dashboard.server", "-b", args.host, "-p", str(args.port), "-v", "0",
                         "dashboard.asgi:application"]),
             ("worker", [py, "-m", "celery", "-A", "dashboard", "worker", "-Q", f"control,{node.queue}",
                         "-n", f"{node.name}@%h", "--pool", "threads", "--concurrency", str(args.concurrency),
@@ -161,9 +163,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         ]  # fmt: skip
         if settings.HANGAR_SSH_PORT:
             specs.append(("ssh-gateway", [py, "-m", "dashboard.cli", "ssh-gateway"]))
-        for name, argv in specs:
-            # Own process groups: Ctrl-C reaches only this supervisor, which stops them in order.
-            children.append((name, subprocess.Popen(argv, env=env, start_new_session=True)))
+        logs = _start_children(specs, env, data_dir, children)
         url = f"http://{'127.0.0.1' if args.host in ('0.0.0.0', '::') else args.host}:{args.port}"
         _say("")
         _say(f"Hangar is up at {url}  (API docs: {url}/api/v1/docs)")
@@ -172,7 +172,11 @@ def cmd_up(args: argparse.Namespace) -> int:
                 f"  ssh:   port {settings.HANGAR_SSH_PORT} on {settings.HANGAR_SSH_BIND} "
                 f"(ssh -p {settings.HANGAR_SSH_PORT} HARNESS@{settings.HANGAR_SSH_HOST})"
             )
-        _say(f"  node:  {node.name} (queue {node.queue}), data in {data_dir}")
+        _say(f"  node:  {node.name} (queue {node.queue}, host id {local_node_id()}), data in {data_dir}")
+        _say(f"  e2b:   export E2B_API_URL={url}/e2b E2B_API_KEY=<a Hangar token>  (for the e2b SDK)")
+        _say(
+            f"  logs:  {logs}/ (server, worker, beat, bridge, ssh-gateway; warnings and errors show here too)"
+        )
         if password:
             _say(f"  admin: {user.get_username()} / {password}   (sign in at {url}/login/)")
             _say(f"  API token (shown once): {token}")
@@ -186,6 +190,53 @@ def cmd_up(args: argparse.Namespace) -> int:
         _stop_all(children)
         if redis_proc is not None:
             _stop_all([("redis", redis_proc)])
+
+
+def _start_children(specs: list[tuple[str, list[str]]], env: dict[str, str], data_dir: Path,
+                    children: list[tuple[str, subprocess.Popen[bytes]]]) -> Path:  # fmt: skip
+    """Start Hangar's processes, each in its own process group (Ctrl-C reaches only the
+    supervisor, which stops them in order), its output to ``<data dir>/logs/<name>.log``; the
+    console shows Hangar's own lines and the children's warnings and errors (not Celery's
+    banner, nor every request). Returns the logs' directory."""
+    logs = data_dir / "logs"
+    logs.mkdir(mode=0o700, exist_ok=True)
+    for name, argv in specs:
+        with open(logs / f"{name}.log", "ab") as log:
+            start = log.seek(0, os.SEEK_END)
+            proc = subprocess.Popen(
+                argv, env=env, start_new_session=True, stdout=log, stderr=subprocess.STDOUT
+            )
+        children.append((name, proc))
+        _echo_problems(name, logs / f"{name}.log", start)
+    return logs
+
+
+# A child's line worth a console line: a log record at warning or above, or a traceback.
+_PROBLEM = re.compile(r"\b(WARNING|ERROR|CRITICAL)\b|^Traceback ")
+
+
+def _echo_problems(name: str, path: Path, start: int) -> None:
+    """Follow a child's log from ``start`` and say its warnings and errors (with a traceback's
+    lines) on the console, prefixed with its name."""
+
+    def follow() -> None:
+        with open(path, errors="replace") as f:
+            f.seek(start)
+            in_traceback, partial = False, ""
+            while True:
+                partial += f.readline()
+                if not partial.endswith("\n"):  # nothing new, or a line still being written
+                    time.sleep(0.3)
+                    continue
+                line, partial = partial.rstrip("\n"), ""
+                if in_traceback:  # its frames, then the exception's own line, which ends it
+                    _say(f"hangar[{name}]: {line}")
+                    in_traceback = line[:1] in (" ", "\t")
+                elif _PROBLEM.search(line):
+                    _say(f"hangar[{name}]: {line}")
+                    in_traceback = line.startswith("Traceback ")
+
+    threading.Thread(target=follow, name=f"log-{name}", daemon=True).start()
 
 
 def _become_subreaper() -> None:
@@ -221,7 +272,8 @@ def _supervise(children: list[tuple[str, subprocess.Popen[bytes]]]) -> int:
             pid, status = 0, 0
         if pid in names:
             _say(
-                f"hangar: {names[pid]} exited with status {os.waitstatus_to_exitcode(status)}; stopping everything"
+                f"hangar: {names[pid]} exited with status {os.waitstatus_to_exitcode(status)}; stopping everything "
+                f"(its log: logs/{names[pid]}.log in the data dir)"
             )
             return 1
         if pid == 0:
@@ -256,11 +308,11 @@ def cmd_node(args: argparse.Namespace) -> int:
     settings = _setup_django()
     _migrate() if args.migrate else None
     from runtime.models import Node
-    from runtime.node import local_node_name
+    from runtime.node.local import local_node_id, local_node_name
 
     _prepare_node(settings, build_default_image=False)
     node = Node.objects.get(name=local_node_name())
-    _say(f"hangar: node {node.name} consuming {node.queue}")
+    _say(f"hangar: node {node.name} consuming {node.queue} (host id {local_node_id()})")
     py = sys.executable
     specs = [
         ("worker", [py, "-m", "celery", "-A", "dashboard", "worker", "-Q", node.queue, "-n", f"{node.name}@%h",
@@ -271,8 +323,8 @@ def cmd_node(args: argparse.Namespace) -> int:
     children: list[tuple[str, subprocess.Popen[bytes]]] = []
     _become_subreaper()
     try:
-        for name, argv in specs:
-            children.append((name, subprocess.Popen(argv, start_new_session=True)))
+        logs = _start_children(specs, dict(os.environ), Path(settings.DATA_DIR), children)
+        _say(f"hangar: logs in {logs}/ (warnings and errors show here too)")
         return _supervise(children)
     finally:
         _stop_all(children)
@@ -281,7 +333,7 @@ def cmd_node(args: argparse.Namespace) -> int:
 def cmd_bridge(args: argparse.Namespace) -> int:
     """This node's stream bridge: live processes and terminals (started by up and node)."""
     _setup_django()
-    from runtime.bridge import run_bridge
+    from runtime.node.bridge import run_bridge
 
     run_bridge(args.node)
     return 0
@@ -290,7 +342,7 @@ def cmd_bridge(args: argparse.Namespace) -> int:
 def cmd_ssh_gateway(args: argparse.Namespace) -> int:
     """The SSH gateway into harnesses (started by up unless HANGAR_SSH_PORT is 0)."""
     _setup_django()
-    from .ssh import main as run_ssh_gateway
+    from .edge.ssh import main as run_ssh_gateway
 
     run_ssh_gateway(host=args.bind, port=args.port)
     return 0
@@ -367,8 +419,8 @@ def cmd_image(args: argparse.Namespace) -> int:
     _setup_django()
     _migrate()
     from runtime.errors import ServiceError
-    from runtime.launchers.images import ImageError
-    from runtime.node import image_store
+    from runtime.host.images.base import ImageError
+    from runtime.node.local import image_store
     from runtime.services import images as svc
 
     def progress(line: str) -> None:
@@ -436,7 +488,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     ssh = sub.add_parser("ssh-gateway", help="run the SSH gateway into harnesses alone (hangar up starts it)")
     ssh.add_argument("--port", type=int, help="port to listen on (default: HANGAR_SSH_PORT, 2222)")
-    ssh.add_argument("--bind", help="address to listen on (default: HANGAR_SSH_BIND, 0.0.0.0)")
+    ssh.add_argument("--bind", help="address to listen on (default: HANGAR_SSH_BIND, 127.0.0.1)")
     ssh.set_defaults(fn=cmd_ssh_gateway)
 
     token = sub.add_parser("token", help="API tokens")

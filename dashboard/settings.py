@@ -7,6 +7,7 @@ real servers.
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 from pathlib import Path
@@ -54,6 +55,61 @@ def env_bool(name: str, default: bool) -> bool:
     if raw.lower() in ("0", "false", "no", "off"):
         return False
     raise ImproperlyConfigured(f"{name} must be true or false, got {raw!r}")
+
+
+def env_pem_file(name: str) -> str:
+    """The path of a PEM bundle of certificates, or "" when unset; an unreadable file, or one
+    that holds no certificate, fails loudly."""
+    raw = os.environ.get(name)
+    if not raw:
+        return ""
+    from runtime.launchers.agent.ca import read_bundle
+
+    path = str(Path(raw).expanduser().absolute())
+    try:
+        read_bundle(path)
+    except ValueError as exc:
+        raise ImproperlyConfigured(f"{name}: {exc}") from None
+    return path
+
+
+def env_launcher_classes(name: str) -> dict[str, str]:
+    """``name=module:Class,…``: launchers registered without packaging."""
+    from runtime.launchers.registry import parse_classes
+
+    try:
+        return parse_classes(os.environ.get(name, ""))
+    except ValueError as exc:
+        raise ImproperlyConfigured(f"{name}: {exc}") from None
+
+
+def env_launcher_config(name: str, defaults: dict[str, dict]) -> dict[str, dict]:
+    """Each launcher's settings block: ``defaults``, each block updated from the JSON object of
+    objects in ``name`` ({"gvisor": {"platform": "kvm"}})."""
+    raw = os.environ.get(name)
+    if not raw:
+        return defaults
+    try:
+        given = json.loads(raw)
+    except ValueError as exc:
+        raise ImproperlyConfigured(f"{name} must be a JSON object, got {raw!r} ({exc})") from None
+    if not isinstance(given, dict) or not all(isinstance(v, dict) for v in given.values()):
+        raise ImproperlyConfigured(f'{name} must map launcher names to objects, e.g. {{"gvisor": {{...}}}}')
+    return {k: {**defaults.get(k, {}), **given.get(k, {})} for k in {*defaults, *given}}
+
+
+def check_launchers(classes: dict[str, str], named: list[str], default: str) -> None:
+    """Every launcher named in the settings is one this install has."""
+    from runtime.launchers.registry import launcher_names
+
+    known = sorted({*launcher_names(), *classes})
+    for setting, names in (("HANGAR_LAUNCHERS", named), ("HANGAR_DEFAULT_RUNTIME", [default])):
+        unknown = [n for n in names if n not in known]
+        if unknown:
+            raise ImproperlyConfigured(
+                f"{setting} names {', '.join(unknown)}, which this install has no launcher for; it has: "
+                f"{', '.join(known)} (HANGAR_LAUNCHER_CLASSES registers more)"
+            )
 
 
 def database_from_url(url: str, data_dir: Path) -> dict:
@@ -146,6 +202,10 @@ HANGAR_API_MIDDLEWARE = [
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
 ]
 
+# Passwords are checked through a throttle (dashboard/signin.py): the sign-in page, the admin's
+# and anything else that signs in with one.
+AUTHENTICATION_BACKENDS = ["dashboard.signin.ThrottledModelBackend"]
+
 ROOT_URLCONF = "dashboard.urls"
 ASGI_APPLICATION = "dashboard.asgi.application"
 TEMPLATES = [
@@ -213,6 +273,7 @@ CELERY_BEAT_SCHEDULE = {
         "schedule": env_float("HANGAR_REAP_TICK_S", 5.0),
     },
     "usage-meter": {"task": "runtime.tasks.usage_meter", "schedule": env_float("HANGAR_METER_TICK_S", 60.0)},
+    "sandboxes-prune": {"task": "runtime.tasks.sandboxes_prune", "schedule": 3600.0},
 }
 
 STATIC_URL = "/static/"
@@ -226,8 +287,8 @@ TIME_ZONE = "UTC"
 
 # Hangar itself
 HANGAR_NODE_NAME = env_str("HANGAR_NODE_NAME", socket.gethostname().split(".")[0] or "local")
-HANGAR_RUNSC = env_str("HANGAR_RUNSC", "")  # empty: runtime.launchers.gvisor.default_runsc()
-HANGAR_RUNSC_PLATFORM = env_str("HANGAR_RUNSC_PLATFORM", "ptrace")  # see gvisor.DEFAULT_PLATFORM
+HANGAR_RUNSC = env_str("HANGAR_RUNSC", "")  # empty: runtime.launchers.gvisor.runsc.default_runsc()
+HANGAR_RUNSC_PLATFORM = env_str("HANGAR_RUNSC_PLATFORM", "ptrace")  # see gvisor.runsc.DEFAULT_PLATFORM
 HANGAR_IMAGES_DIR = Path(env_str("HANGAR_IMAGES_DIR", str(DATA_DIR / "images")))
 HANGAR_RUNTIME_DIR = Path(env_str("HANGAR_RUNTIME_DIR", str(DATA_DIR / "runtime")))
 HANGAR_VOLUMES_DIR = Path(env_str("HANGAR_VOLUMES_DIR", str(DATA_DIR / "volumes")))
@@ -269,10 +330,16 @@ HANGAR_SPARE_DISKS = env_int("HANGAR_SPARE_DISKS", 2, minimum=0)
 HANGAR_EXEC_MAX_TIMEOUT_S = env_int("HANGAR_EXEC_MAX_TIMEOUT_S", 3600, minimum=1)
 HANGAR_EXEC_KEEP_OUTPUT_BYTES = env_int("HANGAR_EXEC_KEEP_OUTPUT_BYTES", 64 * 1024, minimum=0)
 HANGAR_EXEC_MAX_OUTPUT_BYTES = env_int("HANGAR_EXEC_MAX_OUTPUT_BYTES", 64 * 1024 * 1024, minimum=1024)
+# A blocking exec holds its output (up to the limit above, per stream) until its answer is
+# sent: how many one team may have in flight on one server process (past it, 429).
+HANGAR_EXEC_BLOCKING_PER_TEAM = env_int("HANGAR_EXEC_BLOCKING_PER_TEAM", 8, minimum=1)
+# The server holds an answer back while its client is not reading (dashboard/server.py); a
+# client that takes nothing at all for this long is disconnected.
+HANGAR_SEND_STALL_S = env_int("HANGAR_SEND_STALL_S", 300, minimum=1)
 HANGAR_PROCESS_OUTPUT_BYTES = env_int("HANGAR_PROCESS_OUTPUT_BYTES", 4 * 1024 * 1024, minimum=64 * 1024)
 # How often a node's bridge reports activity in its terminals (which pushes expiries out).
 HANGAR_ACTIVITY_REPORT_S = env_int("HANGAR_ACTIVITY_REPORT_S", 30, minimum=1)
-# Flow control of live output (see runtime/bridge.py): a flow-controlled viewer this far behind
+# Flow control of live output (see runtime/node/bridge.py): a flow-controlled viewer this far behind
 # holds the command back; it runs again once the viewer is within the low mark.
 HANGAR_FLOW_HIGH_BYTES = env_int("HANGAR_FLOW_HIGH_BYTES", 128 * 1024, minimum=4096)
 HANGAR_FLOW_LOW_BYTES = env_int("HANGAR_FLOW_LOW_BYTES", 32 * 1024, minimum=1024)
@@ -280,6 +347,14 @@ HANGAR_FLOW_LOW_BYTES = env_int("HANGAR_FLOW_LOW_BYTES", 32 * 1024, minimum=1024
 HANGAR_STDIN_PENDING_BYTES = env_int("HANGAR_STDIN_PENDING_BYTES", 8 * 1024 * 1024, minimum=1024 * 1024)
 HANGAR_TERMINAL_SCROLLBACK_BYTES = env_int("HANGAR_TERMINAL_SCROLLBACK_BYTES", 256 * 1024, minimum=64 * 1024)
 HANGAR_FILE_MAX_BYTES = env_int("HANGAR_FILE_MAX_BYTES", 512 * 1024 * 1024, minimum=1024)
+# The largest body of an API request that controls something (JSON); the endpoints that carry
+# data have their own (file uploads: HANGAR_FILE_MAX_BYTES; input: see dashboard.limits).
+HANGAR_JSON_MAX_BYTES = env_int("HANGAR_JSON_MAX_BYTES", 1024 * 1024, minimum=64 * 1024)
+# A sandbox's metadata, as JSON: it comes back in every list of sandboxes.
+HANGAR_METADATA_MAX_BYTES = env_int("HANGAR_METADATA_MAX_BYTES", 64 * 1024, minimum=1024)
+# Rows of deleted sandboxes (with their events, commands and terminals) go this long after the
+# deletion (0: kept for ever).
+HANGAR_DELETED_RETENTION_DAYS = env_int("HANGAR_DELETED_RETENTION_DAYS", 30, minimum=0)
 HANGAR_CREATE_WAIT_S = env_int("HANGAR_CREATE_WAIT_S", 60, minimum=1)
 # Site-wide quota defaults per team (a team's own limits and ceilings override them; site
 # administrators change them in the API and the dashboard too: those win over these).
@@ -301,12 +376,34 @@ HANGAR_CURRENCY = env_str("HANGAR_CURRENCY", "USD")
 # Fernet keys for team secrets, newest first, comma-separated (rotation: put a new key first,
 # run `hangar secrets rotate`, then drop the old one). Empty: one generated under the data dir.
 HANGAR_SECRETS_KEYS = [k.strip() for k in env_str("HANGAR_SECRETS_KEYS", "").split(",") if k.strip()]
+# Sign-in with a password: failures past the free ones (an address gets four times as many) make
+# each next attempt wait, doubling up to the most, for as long as failures keep coming within the window.
+HANGAR_LOGIN_FREE_FAILURES = env_int("HANGAR_LOGIN_FREE_FAILURES", 5, minimum=1)
+HANGAR_LOGIN_MAX_DELAY_S = env_int("HANGAR_LOGIN_MAX_DELAY_S", 900, minimum=1)
+HANGAR_LOGIN_WINDOW_S = env_int("HANGAR_LOGIN_WINDOW_S", 3600, minimum=60)
 HANGAR_INVITATION_TTL_S = env_int("HANGAR_INVITATION_TTL_S", 7 * 86400, minimum=60)
+# Open websockets, SSH sessions and followed output streams check again who they act for this
+# often, besides at once on a revocation or a change of membership (a lost message cannot keep
+# one alive past this).
+HANGAR_AUTH_RECHECK_S = env_float("HANGAR_AUTH_RECHECK_S", 30.0, minimum=0.1)
 # Preview URLs: {scheme}://{port}-{sandbox id}.{domain}[:{port shown}]. *.localhost names the
 # loopback in browsers, so the default works on one machine with no DNS set up.
 # Sandbox networks: each sandbox with egress gets a /30 from this pool; the exceptions are
 # CIDRs taken out of the always-denied ranges (a registry on the management network, say).
-HANGAR_NETWORK_POOL = env_str("HANGAR_NETWORK_POOL", "10.88.0.0/16")
+# Empty: the node takes the first /16 from 10.88.0.0 on that no other Hangar node on the machine
+# holds and no route of the host's overlaps, and keeps it (runtime/host/hostnames.py).
+HANGAR_NETWORK_POOL = env_str("HANGAR_NETWORK_POOL", "")
+if HANGAR_NETWORK_POOL:
+    import ipaddress as _ipaddress
+
+    try:
+        if _ipaddress.IPv4Network(HANGAR_NETWORK_POOL).prefixlen > 28:
+            raise ValueError("smaller than a /28")
+    except ValueError as _exc:
+        raise ImproperlyConfigured(
+            f"HANGAR_NETWORK_POOL must be an IPv4 network of /28 or more, got "
+            f"{HANGAR_NETWORK_POOL!r} ({_exc})"
+        ) from None
 # Resolvers for sandboxes with egress "all" (default: the node's own, unless loopback).
 HANGAR_NETWORK_NAMESERVERS = [
     c.strip() for c in env_str("HANGAR_NETWORK_NAMESERVERS", "").split(",") if c.strip()
@@ -314,6 +411,17 @@ HANGAR_NETWORK_NAMESERVERS = [
 HANGAR_NETWORK_EXCEPTIONS = [
     c.strip() for c in env_str("HANGAR_NETWORK_EXCEPTIONS", "").split(",") if c.strip()
 ]
+# Launchers (isolation runtimes; docs/architecture.md): the ones this node runs (empty: every
+# registered one whose probe passes here), the runtime of a sandbox that names none, launchers
+# registered without packaging (name=module:Class,…), and each launcher's own settings block,
+# which HANGAR_LAUNCHER_CONFIG (a JSON object of objects) extends or overrides.
+HANGAR_LAUNCHER_CLASSES = env_launcher_classes("HANGAR_LAUNCHER_CLASSES")
+HANGAR_LAUNCHERS = [n.strip() for n in env_str("HANGAR_LAUNCHERS", "").split(",") if n.strip()]
+HANGAR_DEFAULT_RUNTIME = env_str("HANGAR_DEFAULT_RUNTIME", "gvisor")
+HANGAR_LAUNCHER_CONFIG: dict[str, dict] = env_launcher_config(
+    "HANGAR_LAUNCHER_CONFIG", {"gvisor": {"runsc": HANGAR_RUNSC, "platform": HANGAR_RUNSC_PLATFORM}}
+)
+check_launchers(HANGAR_LAUNCHER_CLASSES, HANGAR_LAUNCHERS, HANGAR_DEFAULT_RUNTIME)
 # How servers reach sandboxes on other nodes (preview URLs): each node's bridge listens for
 # signed tunnels on this port (0: none; a single machine needs none) at this address.
 HANGAR_TUNNEL_PORT = env_int("HANGAR_TUNNEL_PORT", 0, minimum=0)
@@ -346,6 +454,9 @@ _SANDBOX_HANGAR = (
 )
 HANGAR_SANDBOX_API_URL = env_str("HANGAR_SANDBOX_API_URL", _SANDBOX_HANGAR + "/api/v1")
 HANGAR_SANDBOX_OTLP_ENDPOINT = env_str("HANGAR_SANDBOX_OTLP_ENDPOINT", _SANDBOX_HANGAR)
+# A PEM bundle on the node that every sandbox trusts (an organisation's CA on a network that
+# inspects TLS): see runtime/launchers/agent/ca.py.
+HANGAR_SANDBOX_CA_CERTS = env_pem_file("HANGAR_SANDBOX_CA_CERTS")
 # The SSH gateway into harnesses (`hangar up` starts it; 0: none). The host key is made once
 # under the data dir. HANGAR_SSH_HOST is the host name shown in the command to copy.
 HANGAR_SSH_PORT = env_int("HANGAR_SSH_PORT", 2222, minimum=0)
@@ -353,7 +464,9 @@ HANGAR_SSH_BIND = env_str("HANGAR_SSH_BIND", "127.0.0.1")  # 0.0.0.0: reachable 
 HANGAR_SSH_HOST = env_str("HANGAR_SSH_HOST", "localhost")
 HANGAR_SSH_HOST_KEY = Path(env_str("HANGAR_SSH_HOST_KEY", str(DATA_DIR / "ssh_host_ed25519_key")))
 
-DATA_UPLOAD_MAX_MEMORY_SIZE = HANGAR_FILE_MAX_BYTES
+# Form and JSON bodies Django reads whole; the API's own routes set each their limit
+# (dashboard.limits), which its requests check instead.
+DATA_UPLOAD_MAX_MEMORY_SIZE = HANGAR_JSON_MAX_BYTES
 
 LOGGING = {
     "version": 1,

@@ -1,32 +1,36 @@
 from django.contrib import admin
 from django.contrib.auth import views as auth_views
-from django.urls import path
+from django.urls import path, re_path
 
-from dashboard import harness_views, team_views, views
 from dashboard.api import api
+from dashboard.e2b.api import api as e2b_api
+from dashboard.e2b.unsupported import unsupported as e2b_unsupported
+from dashboard.pages import harness_views, sandbox_views, team_views, views
+from dashboard.signin import SignInView, ThrottledAdminAuthenticationForm
+
+admin.site.login_form = ThrottledAdminAuthenticationForm
 
 urlpatterns = [
     path("admin/", admin.site.urls),
     path("api/v1/", api.urls),
-    path(
-        "login/",
-        auth_views.LoginView.as_view(template_name="hangar/login.html", redirect_authenticated_user=True),
-        name="login",
-    ),
+    path("e2b/", e2b_api.urls),
+    re_path(r"^e2b/(?P<rest>.*)$", e2b_unsupported),
+    path("login/", SignInView.as_view(), name="login"),
     path("logout/", auth_views.LogoutView.as_view(), name="logout"),
     path("team/", views.team_switch, name="team_switch"),
-    path("sandboxes/", views.sandboxes, name="sandboxes"),
-    path("sandboxes/<str:sandbox_id>/", views.sandbox_detail, name="sandbox"),
-    path("sandboxes/<str:sandbox_id>/stop/", views.sandbox_stop, name="sandbox_stop"),
-    path("sandboxes/<str:sandbox_id>/pause/", views.sandbox_pause, name="sandbox_pause"),
-    path("sandboxes/<str:sandbox_id>/resume/", views.sandbox_resume, name="sandbox_resume"),
-    path("sandboxes/<str:sandbox_id>/delete/", views.sandbox_delete, name="sandbox_delete"),
-    path("sandboxes/<str:sandbox_id>/keepalive/", views.sandbox_keepalive, name="sandbox_keepalive"),
-    path("sandboxes/<str:sandbox_id>/terminals/", views.terminal_create, name="terminal_create"),
-    path("sandboxes/<str:sandbox_id>/commands/", views.command_run, name="command_run"),
-    path("sandboxes/<str:sandbox_id>/files/download", views.file_download, name="file_download"),
-    path("sandboxes/<str:sandbox_id>/files/upload", views.file_upload, name="file_upload"),
+    path("sandboxes/", sandbox_views.sandboxes, name="sandboxes"),
+    path("sandboxes/<str:sandbox_id>/", sandbox_views.sandbox_detail, name="sandbox"),
+    path("sandboxes/<str:sandbox_id>/stop/", sandbox_views.sandbox_stop, name="sandbox_stop"),
+    path("sandboxes/<str:sandbox_id>/pause/", sandbox_views.sandbox_pause, name="sandbox_pause"),
+    path("sandboxes/<str:sandbox_id>/resume/", sandbox_views.sandbox_resume, name="sandbox_resume"),
+    path("sandboxes/<str:sandbox_id>/delete/", sandbox_views.sandbox_delete, name="sandbox_delete"),
+    path("sandboxes/<str:sandbox_id>/keepalive/", sandbox_views.sandbox_keepalive, name="sandbox_keepalive"),
+    path("sandboxes/<str:sandbox_id>/terminals/", sandbox_views.terminal_create, name="terminal_create"),
+    path("sandboxes/<str:sandbox_id>/commands/", sandbox_views.command_run, name="command_run"),
+    path("sandboxes/<str:sandbox_id>/files/download", sandbox_views.file_download, name="file_download"),
+    path("sandboxes/<str:sandbox_id>/files/upload", sandbox_views.file_upload, name="file_upload"),
     path("harnesses/", harness_views.harnesses, name="harnesses"),
+    path("harnesses/new/image/", harness_views.harness_image_build, name="harness_image_build"),
     path("harnesses/<str:harness_id>/", harness_views.harness_detail, name="harness"),
     path("harnesses/<str:harness_id>/log/", harness_views.harness_log, name="harness_log"),
     path("harnesses/<str:harness_id>/pause/", harness_views.harness_pause, name="harness_pause"),

@@ -5,3 +5,23 @@ class RuntimeConfig(AppConfig):
     name = "runtime"
     verbose_name = "Hangar runtime"
     default_auto_field = "django.db.models.BigAutoField"
+
+    def ready(self) -> None:
+        from django.conf import settings
+        from django.db.models.signals import post_save
+
+        from . import events
+        from .launchers.registry import register_all
+        from .services import harnesses, pools, previews, runs, usage
+        from .services.auth import user_changed
+
+        # Launchers registered in the settings, in every process (the server, workers, bridge).
+        register_all(settings.HANGAR_LAUNCHER_CLASSES)
+        post_save.connect(user_changed, sender=settings.AUTH_USER_MODEL, dispatch_uid="hangar-user-changed")
+        # The features listen to what the lower layers announce (runtime/events.py).
+        events.status_changing.connect(usage.on_transition)
+        events.status_changed.connect(previews.on_status_changed)
+        events.sandbox_claim.connect(pools.pool_claim)
+        events.sandbox_started.connect(harnesses.harness_setup_enqueue)
+        events.sandboxes_busy.connect(harnesses.harnesses_with_active_runs)
+        events.process_ended.connect(runs.run_process_ended)

@@ -40,6 +40,20 @@ class QuotaExceeded(ServiceError):
     status_code = 429
 
 
+class TooLarge(ServiceError):
+    status_code = 413
+
+
+class TooManyRequests(ServiceError):
+    """Too many calls of a kind in flight: try again after ``retry_after`` seconds."""
+
+    status_code = 429
+
+    def __init__(self, message: str, *, retry_after: int, **extra: Any) -> None:
+        super().__init__(message, **extra)
+        self.retry_after = retry_after
+
+
 class NoCapacity(ServiceError):
     status_code = 503
 

@@ -8,9 +8,8 @@ from typing import Any
 from django.db import transaction
 from django.utils import timezone
 
-from . import notify
+from . import events, notify
 from .models import Sandbox, SandboxEvent
-from .services import previews, usage
 
 S = Sandbox.Status
 
@@ -66,9 +65,11 @@ def transition_row(
         if row is None:
             return None
         now = timezone.now()
-        # Usage is counted up to each change into or out of holding CPU and memory.
-        metered = usage.on_transition(row, to, now)
-        updates: dict[str, Any] = {"status": to, "updated_at": now, **metered, **(fields or {})}
+        # Usage is counted up to each change into or out of holding CPU and memory (a receiver).
+        updates: dict[str, Any] = {"status": to, "updated_at": now}
+        for metered in events.status_changing.send(row, to, now):
+            updates.update(metered)
+        updates.update(fields or {})
         if reason or to in (S.FAILED, S.RUNNING):
             updates["status_reason"] = reason
         Sandbox.objects.filter(id=sandbox_id).update(**updates)
@@ -80,7 +81,7 @@ def transition_row(
         )
         team_id = row.team_id
         transaction.on_commit(lambda: notify.sandbox_changed(sandbox_id, to, team_id))
-    previews.forget_row(sandbox_id)  # the preview proxy's copy of the row (this process's)
+    events.status_changed.send(sandbox_id, to)  # e.g. the preview proxy's copy of the row
     return row
 
 

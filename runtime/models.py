@@ -72,6 +72,13 @@ class ApiToken(models.Model):
     # user's role in the team now); blank: whatever the user's role is. Scopes: none means all.
     role = models.CharField(max_length=16, blank=True)
     scopes = models.JSONField(default=list, blank=True)
+    # A harness's own token reaches only that harness's sandbox and the sandboxes it made
+    # (``auth.sandbox_reach``). Deleting the harness row deletes it: unbound, it would reach
+    # the whole team.
+    harness = models.ForeignKey("Harness", null=True, blank=True, on_delete=models.CASCADE, related_name="+")
+    # Not a column: the role a live token acts with (the lower of its own and its user's in the
+    # team now), set by ``auth.token_authenticate`` on the token it returns.
+    effective_role: str
 
 
 class Node(models.Model):
@@ -82,7 +89,9 @@ class Node(models.Model):
 
     name = models.CharField(max_length=100, unique=True)
     status = models.CharField(max_length=16, choices=Status.choices, default=Status.ONLINE)
-    runtimes = models.JSONField(default=list)
+    # The runtimes it runs and what their sandboxes can have, as its heartbeat says:
+    # {"<runtime>": {"network": true, "checkpoint": true, "kvm": false, "gpu": false}}.
+    launchers = models.JSONField(default=dict)
     cpu_capacity = models.FloatField(default=1.0)
     memory_mb_capacity = models.IntegerField(default=1024)
     version = models.CharField(max_length=32, blank=True)
@@ -96,6 +105,14 @@ class Node(models.Model):
     @property
     def queue(self) -> str:
         return f"node.{self.name}"
+
+    @property
+    def runtimes(self) -> list[str]:
+        return sorted(self.launchers or {})
+
+    def can(self, runtime: str, capability: str) -> bool:
+        """Whether sandboxes of ``runtime`` here can have ``capability`` (network, checkpoint…)."""
+        return bool((self.launchers or {}).get(runtime, {}).get(capability))
 
     def __str__(self) -> str:
         return self.name
@@ -180,6 +197,10 @@ class Volume(models.Model):
         return self.name
 
 
+def default_runtime() -> str:
+    return str(settings.HANGAR_DEFAULT_RUNTIME)
+
+
 def default_disk_mb() -> int:
     return int(settings.HANGAR_SANDBOX_DISK_MB)
 
@@ -190,7 +211,7 @@ class Pool(models.Model):
     id = models.CharField(primary_key=True, max_length=32, default=new_pool_id, editable=False)
     team = models.ForeignKey(Team, on_delete=models.CASCADE, related_name="pools")
     image = models.CharField(max_length=128)
-    runtime = models.CharField(max_length=32, default="gvisor")
+    runtime = models.CharField(max_length=32, default=default_runtime)
     cpu = models.FloatField(default=1.0)
     memory_mb = models.IntegerField(default=512)
     disk_mb = models.IntegerField(default=default_disk_mb)
@@ -226,7 +247,7 @@ class Sandbox(models.Model):
     created_by = models.ForeignKey(settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL)
     image = models.CharField(max_length=128)
     image_digest = models.CharField(max_length=80)
-    runtime = models.CharField(max_length=32, default="gvisor")
+    runtime = models.CharField(max_length=32, default=default_runtime)
     node = models.ForeignKey(Node, null=True, blank=True, on_delete=models.SET_NULL, related_name="sandboxes")
     status = models.CharField(max_length=16, choices=Status.choices, default=Status.PENDING, db_index=True)
     status_reason = models.TextField(blank=True)
@@ -266,6 +287,10 @@ class Sandbox(models.Model):
     # Egress: {"egress": "none" | "allowlist" | "all", "allow": [...]}; {} is none.
     network = models.JSONField(default=dict, blank=True)
     auto_resume = models.BooleanField(default=False)  # a preview request resumes it when paused
+    # The token that created it, when one did: a harness's token reaches what it made.
+    created_by_token = models.ForeignKey(
+        ApiToken, null=True, blank=True, on_delete=models.SET_NULL, related_name="+"
+    )
 
     class Meta:
         ordering = ["-created_at"]

@@ -3,13 +3,16 @@ of polling the database."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import threading
 import time
 from collections.abc import Iterable
 from functools import cache
 
 import redis
 from django.conf import settings
+from django.db import transaction
 
 log = logging.getLogger(__name__)
 
@@ -84,3 +87,52 @@ def wait_for_status(sandbox_id: str, statuses: Iterable[str], timeout: float, re
         return status
     finally:
         pubsub.close()
+
+
+# -- who may act ----------------------------------------------------------------------------------
+
+AUTH_CHANGED = "auth.changed"  # the Channels message type (a consumer's handler: auth_changed)
+
+
+def auth_group(user_id: int) -> str:
+    """The Channels group of every open websocket and SSH session acting for this user."""
+    return f"hangar.auth.user.{user_id}"
+
+
+def auth_changed(user_ids: Iterable[int | None]) -> None:
+    """Once the current transaction commits, every open websocket and SSH session of these
+    users checks again what it may do (a token revoked, a member removed or lowered, a user
+    deactivated, a key deleted): it ends, or carries on with less. A lost message only delays
+    that to the sockets' own periodic check (``HANGAR_AUTH_RECHECK_S``)."""
+    ids = sorted({int(u) for u in user_ids if u is not None})
+    if ids:
+        transaction.on_commit(lambda: _send_auth_changed(ids))
+
+
+def _send_auth_changed(user_ids: list[int]) -> None:
+    async def send() -> None:
+        # A layer of its own on a loop of its own: the process's shared one belongs to whichever
+        # event loop used it first, and this runs on a worker thread.
+        from channels.layers import DEFAULT_CHANNEL_LAYER, channel_layers
+
+        layer = channel_layers.make_backend(DEFAULT_CHANNEL_LAYER)
+        try:
+            for user_id in user_ids:
+                await layer.group_send(auth_group(user_id), {"type": AUTH_CHANGED})
+        finally:
+            close = getattr(layer, "close_pools", None)
+            if close is not None:
+                await close()
+
+    def run() -> None:
+        try:
+            asyncio.run(send())
+        except Exception:
+            log.warning("could not announce a change of access for users %s", user_ids, exc_info=True)
+
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        run()
+    else:  # on an event loop's own thread, which must not block: a thread of its own
+        threading.Thread(target=run, name="auth-changed", daemon=True).start()

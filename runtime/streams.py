@@ -1,7 +1,7 @@
 """The wire between the stream bridge (one per node) and whoever follows a live process.
 
 A live process (a streamed or background exec, a terminal) is owned by its node's bridge
-(:mod:`runtime.bridge`). Its output is one byte sequence with absolute offsets; the bridge
+(:mod:`runtime.node.bridge`). Its output is one byte sequence with absolute offsets; the bridge
 keeps the recent part in a ring and publishes every chunk to the process's Channels group.
 A follower joins the group, then asks the bridge to *attach* from an offset; the bridge answers
 on the follower's own channel with ``proc.synced`` (what the ring holds, whether the process

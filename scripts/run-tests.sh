@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
-# Lint, then the whole test suite. Exits non-zero on any failure, and when no test ran at all.
+# Lint and type-check, then the whole test suite. Exits non-zero on any failure, and when no test ran at all.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 VENV=${VENV:-.venv}
 $VENV/bin/ruff check dashboard runtime tests bench || exit 1
+# Types: runtime/ and dashboard/ with the Django stubs ([tool.mypy] in pyproject.toml).
+$VENV/bin/mypy || exit 1
 HANGAR_DATA_DIR=$(mktemp -d) DATABASE_URL= REDIS_URL= $VENV/bin/python manage.py makemigrations --check --dry-run >/dev/null || { echo "missing migrations" >&2; exit 1; }
 # Each test has its own limit (pyproject's timeout); this one bounds the run as a whole.
 HANGAR_TEST_BASE_IMAGE=${HANGAR_TEST_BASE_IMAGE-1} timeout --kill-after=60 "${HANGAR_TEST_RUN_LIMIT_S:-3600}" \

@@ -17,10 +17,10 @@ from pathlib import Path
 import httpx
 import pytest
 
+from runtime.host.images.store import ImageStore
 from runtime.launchers.agent.build import agent_binary
-from runtime.launchers.images import ImageStore
 
-from .support import WORLD_A, WORLD_B, WORLD_NS, die_with_parent, free_port, wait_until
+from .support import WORLD_A, WORLD_B, WORLD_GW, WORLD_IFACE, WORLD_NS, die_with_parent, free_port, wait_until
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -60,9 +60,10 @@ def _no_mount_outlives_the_run(tmp_path_factory) -> Iterator[None]:
     yield
     from django.conf import settings
 
-    from runtime.node import launcher_for
+    from runtime.node.local import local_launchers
 
-    launcher_for("gvisor").disks.drain()  # type: ignore[attr-defined]
+    for launcher in local_launchers().values():
+        launcher.release_spares()
     roots = (str(tmp_path_factory.getbasetemp()) + "/", str(settings.DATA_DIR) + "/")
     with open("/proc/self/mountinfo") as f:
         points = [line.split()[4] for line in f]
@@ -163,14 +164,23 @@ def bridge(service_env, server) -> Iterator[subprocess.Popen]:
 
 
 @pytest.fixture(scope="session")
-def server(service_env) -> Iterator[str]:
-    """The real ASGI app served by daphne, as `hangar up` runs it."""
+def server_process(service_env) -> Iterator[subprocess.Popen]:
+    """The real ASGI app served by Hangar's server (daphne with back-pressure, :mod:`dashboard.server`),
+    as `hangar up` runs it; ``.url`` is where."""
+    proc = start_server(service_env)
+    yield proc
+    _stop(proc)
+    proc.log.close()  # type: ignore[attr-defined]
+
+
+def start_server(env: dict[str, str]) -> subprocess.Popen:
+    """A server process on a free port with ``env``, once it answers: ``.url``, ``.log_path``."""
     port = free_port()
     log_path = Path(tempfile.mkdtemp()) / "daphne.log"
     log = open(log_path, "wb")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "daphne", "-b", "127.0.0.1", "-p", str(port), "dashboard.asgi:application"],
-        cwd=ROOT, env=service_env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=die_with_parent,
+        [sys.executable, "-m", "dashboard.server", "-b", "127.0.0.1", "-p", str(port), "dashboard.asgi:application"],
+        cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=die_with_parent,
     )  # fmt: skip
     url = f"http://127.0.0.1:{port}"
 
@@ -182,10 +192,15 @@ def server(service_env) -> Iterator[str]:
         except httpx.HTTPError:
             return False
 
-    wait_until(up, 60, what="daphne")
-    yield url
-    _stop(proc)
-    log.close()
+    wait_until(up, 60, what="the server")
+    proc.url, proc.log_path, proc.log = url, log_path, log  # type: ignore[attr-defined]
+    return proc
+
+
+@pytest.fixture(scope="session")
+def server(server_process) -> str:
+    """Where the real server answers: ``http://127.0.0.1:PORT``."""
+    return server_process.url  # type: ignore[no-any-return]
 
 
 @pytest.fixture
@@ -193,13 +208,13 @@ def local_node(transactional_db):
     """This machine registered as the test node, holding the busybox image."""
     from django.conf import settings
 
-    from runtime.node import local_runtimes, node_memory_mb
+    from runtime.node.local import local_capabilities, node_memory_mb
     from runtime.services.images import image_build
     from runtime.services.nodes import node_register
 
     node = node_register(
         name=settings.HANGAR_NODE_NAME,
-        runtimes=local_runtimes(),
+        launchers=local_capabilities(),
         cpu=4,
         memory_mb=min(node_memory_mb(), 16384),
     )
@@ -213,8 +228,8 @@ def local_node(transactional_db):
 def minimal_image(local_node) -> str:
     """The ``minimal`` Debian image (bash, git, ssh client, sftp-server) for harness tests:
     built once per machine with mmdebstrap (about 40 s), then kept in the test data dir's store."""
-    from runtime.launchers.images import ImageError
-    from runtime.node import image_store
+    from runtime.host.images.base import ImageError
+    from runtime.node.local import image_store
     from runtime.services.images import image_build, image_register
 
     try:
@@ -224,17 +239,38 @@ def minimal_image(local_node) -> str:
     return "minimal"
 
 
-def _destroy_all_sandboxes() -> None:
-    from runtime.node import launcher_for
+@pytest.fixture(scope="session")
+def base_image_info():
+    """The ``base`` Debian image (Node.js and npm for the agents' CLIs, git, Python) and the
+    progress lines of its build: built once per machine into the test data dir's store (73 s
+    here with a nearby mirror, minutes with a distant one) and kept, so a run builds it at most
+    once. Only with HANGAR_TEST_BASE_IMAGE=1."""
+    if not os.environ.get("HANGAR_TEST_BASE_IMAGE"):
+        pytest.skip(
+            "needs the base image, built from the Debian mirror (minutes); CI sets HANGAR_TEST_BASE_IMAGE=1"
+        )
+    from runtime.host.images.base import ImageError
+    from runtime.node.local import image_store
 
-    launcher = launcher_for("gvisor")
-    for sandbox_id in launcher.list():
-        launcher.destroy_id(sandbox_id)
+    lines: list[str] = []
+    try:
+        info = image_store().get("base")
+    except ImageError:
+        info = image_store().build_base(progress=lines.append)
+    return info, lines
+
+
+def _destroy_all_sandboxes() -> None:
+    from runtime.node.local import local_launchers
+
+    for launcher in local_launchers().values():
+        for sandbox_id in launcher.states():
+            launcher.destroy(launcher.handle_for(sandbox_id))
 
 
 def _delete_all_volumes() -> None:
     """Volumes are loop mounts on this machine: none may outlive the test that made it."""
-    from runtime.node import volume_store
+    from runtime.node.local import volume_store
 
     store = volume_store()
     for volume_id in store.list():
@@ -288,11 +324,11 @@ def _sh(*argv: str, check: bool = True) -> subprocess.CompletedProcess[str]:
 def world(tmp_path_factory):
     """A namespace playing the internet: a web server on A and one on B, port 8080."""
     _sh("ip", "netns", "delete", WORLD_NS, check=False)
-    _sh("ip", "link", "delete", "hwld0", check=False)
+    _sh("ip", "link", "delete", WORLD_IFACE, check=False)
     _sh("ip", "netns", "add", WORLD_NS)
-    _sh("ip", "link", "add", "hwld0", "type", "veth", "peer", "name", "eth0", "netns", WORLD_NS)
-    _sh("ip", "addr", "add", "198.18.0.1/24", "dev", "hwld0")
-    _sh("ip", "link", "set", "hwld0", "up")
+    _sh("ip", "link", "add", WORLD_IFACE, "type", "veth", "peer", "name", "eth0", "netns", WORLD_NS)
+    _sh("ip", "addr", "add", f"{WORLD_GW}/24", "dev", WORLD_IFACE)
+    _sh("ip", "link", "set", WORLD_IFACE, "up")
     for addr in (WORLD_A, WORLD_B):
         _sh("ip", "-n", WORLD_NS, "addr", "add", f"{addr}/24", "dev", "eth0")
     _sh("ip", "-n", WORLD_NS, "link", "set", "eth0", "up")
@@ -352,7 +388,7 @@ def git_repos(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def git_server(world, git_repos):
-    """A git daemon on the world's address A (``git://198.18.0.2/project.git``), read-only."""
+    """A git daemon on the world's address A (``git://<WORLD_A>/project.git``), read-only."""
     root = git_repos
     proc = subprocess.Popen(
         ["ip", "netns", "exec", WORLD_NS, "git", "daemon", "--reuseaddr", f"--base-path={root}", "--export-all",
@@ -378,7 +414,7 @@ GIT_HTTP_PORT = 8081
 @pytest.fixture(scope="session")
 def private_git_server(world, git_repos):
     """The same repository over git's smart HTTP behind basic authentication, as a forge serves
-    a private repository: (``http://198.18.0.2:8081/project.git``, user, token)."""
+    a private repository: (``http://<WORLD_A>:8081/project.git``, user, token)."""
     token = "ghp_private_" + os.urandom(12).hex()
     proc = subprocess.Popen(
         ["ip", "netns", "exec", WORLD_NS, sys.executable, str(ROOT / "tests" / "git_http_server.py"),

@@ -13,6 +13,12 @@ os.environ.setdefault("HANGAR_ACTIVITY_REPORT_S", "1")  # bridges report termina
 os.environ.setdefault("HANGAR_FLOW_HIGH_BYTES", str(16 * 1024))
 os.environ.setdefault("HANGAR_FLOW_LOW_BYTES", str(4 * 1024))
 
+# A second registration of the gVisor launcher with network and checkpoints off: the seam a
+# second runtime plugs into, exercised by the conformance suite and the API and page tests.
+os.environ.setdefault(
+    "HANGAR_LAUNCHER_CLASSES", "gvisor-reduced=tests.launchers.reduced:ReducedGVisorLauncher"
+)
+
 # hangar.internal's port, one per test session (several sessions may share a machine).
 if "HANGAR_SANDBOX_GATEWAY_PORT" not in os.environ:
     import socket
@@ -22,3 +28,5 @@ if "HANGAR_SANDBOX_GATEWAY_PORT" not in os.environ:
         os.environ["HANGAR_SANDBOX_GATEWAY_PORT"] = str(_s.getsockname()[1])
 
 from dashboard.settings import *  # noqa: E402,F403
+
+HANGAR_LAUNCHER_CONFIG.setdefault("gvisor-reduced", HANGAR_LAUNCHER_CONFIG["gvisor"])  # noqa: F405

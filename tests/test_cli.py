@@ -16,7 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from runtime.launchers.gvisor import default_runsc
+from runtime.launchers.gvisor.runsc import default_runsc
 from tests.support import free_port, requires_runsc, wait_until
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -59,6 +59,17 @@ class Up:
                 if needle in line:
                     return
         raise AssertionError(f"{needle!r} not seen; output:\n{''.join(self.output)}")
+
+    def read_for(self, seconds: float) -> None:
+        """Take what it prints for ``seconds``."""
+        assert self.proc.stdout is not None
+        deadline = time.monotonic() + seconds
+        while (left := deadline - time.monotonic()) > 0:
+            if select.select([self.proc.stdout], [], [], left)[0]:
+                line = self.proc.stdout.readline()
+                if not line:
+                    break
+                self.output.append(line)
 
     def _healthy(self) -> bool:
         try:
@@ -108,8 +119,16 @@ def test_hangar_up_runs_stops_cleanly_and_sandboxes_survive_a_restart(tmp_path):
     data_dir.mkdir(mode=0o755)
     data_dir.chmod(0o755)
     up = Up(data_dir, HANGAR_NODE_TICK_S="1")
+    worker_log = data_dir / "logs" / "worker.log"
+    wait_until(lambda: "[queues]" in worker_log.read_text(), 60, what="the worker's banner in its log")
+    up.read_for(2)  # what the children print once up
     text = "".join(up.output)
     assert "admin: admin / " in text
+    # The console is Hangar's: no Celery banner or superuser warning; those are in the logs.
+    for noise in ("celery@", "[config]", "[queues]", "superuser privileges", "-------------- "):
+        assert noise not in text, (noise, text)
+    assert f"logs:  {data_dir}/logs/" in text
+    assert f"export E2B_API_URL={up.url}/e2b " in text  # the e2b SDK's settings, as docs/e2b.md says
     assert stat.S_IMODE(data_dir.stat().st_mode) == 0o700 and "now 700" in text  # root's alone
     # The SSH gateway into harnesses is one of the processes it starts.
     ssh_port = int(re.search(r"ssh: +port (\d+)", text).group(1))
@@ -118,7 +137,7 @@ def test_hangar_up_runs_stops_cleanly_and_sandboxes_survive_a_restart(tmp_path):
     token = next(line.split(": ", 1)[1].strip() for line in up.output if "API token" in line)
     api = httpx.Client(base_url=f"{up.url}/api/v1", headers={"Authorization": f"Bearer {token}"}, timeout=60)
     sb = api.post("/sandboxes", json={"image": "busybox", "memory_mb": 256, "timeout_s": 600}).json()
-    assert sb["status"] == "running", sb
+    assert sb.get("status") == "running", sb
     sid = sb["id"]
     assert (
         api.post(f"/sandboxes/{sid}/exec", json={"cmd": "echo first > /tmp/f; cat /tmp/f"}).json()["stdout"]
@@ -140,7 +159,10 @@ def test_hangar_up_runs_stops_cleanly_and_sandboxes_survive_a_restart(tmp_path):
     listed = subprocess.run(
         [default_runsc(), "--root", str(runsc_root), "list"], capture_output=True, text=True
     ).stdout
-    assert sid in listed, "the sandbox must outlive Hangar's processes"
+    assert re.search(rf"^{sid}\s+\d+\s+running", listed, re.M), (
+        "the sandbox must outlive Hangar's processes",
+        listed,
+    )
 
     # `hangar token create` prints the token alone on its last line.
     out = subprocess.run(
@@ -154,7 +176,8 @@ def test_hangar_up_runs_stops_cleanly_and_sandboxes_survive_a_restart(tmp_path):
     assert "API token" not in "".join(up.output)  # only the first start prints one
     api = httpx.Client(base_url=f"{up.url}/api/v1", headers={"Authorization": f"Bearer {token2}"}, timeout=60)
     time.sleep(3)  # several reconciliation ticks
-    assert api.get(f"/sandboxes/{sid}").json()["status"] == "running"
+    after = api.get(f"/sandboxes/{sid}").json()
+    assert after["status"] == "running", (after, (data_dir / "logs" / "worker.log").read_text()[-3000:])
     assert api.post(f"/sandboxes/{sid}/exec", json={"cmd": "cat /tmp/f"}).json()["stdout"] == "first\n"
     assert api.get(f"/sandboxes/{vb['id']}").json()["status"] == "paused"  # reconciliation left it be
     assert api.post(f"/sandboxes/{vb['id']}/resume", json={}).json()["status"] == "running"

@@ -13,7 +13,7 @@ from channels.testing import WebsocketCommunicator
 
 from dashboard.asgi import application
 from tests.api.test_sandboxes_api import create
-from tests.support import requires_runsc
+from tests.support import refused_with, requires_runsc
 
 pytestmark = [requires_runsc]
 
@@ -216,16 +216,11 @@ def test_terminal_exit_is_reported_and_closes(terminal, team_token, api, sandbox
 
 
 def test_terminal_socket_checks_token_and_team(terminal, team_token, other_team_token):
-    async def closed_with(comm: WebsocketCommunicator) -> int:
-        connected, code = await comm.connect()
-        assert not connected
-        return code
-
     async def main() -> None:
-        assert await closed_with(communicator(terminal["websocket"])) == 4401
-        assert await closed_with(communicator(terminal["websocket"], "hgr_not-a-token")) == 4401
-        assert await closed_with(communicator(terminal["websocket"], other_team_token)) == 4404
-        assert await closed_with(communicator("/ws/v1/terminals/tmnosuchterm", team_token)) == 4404
+        assert await refused_with(communicator(terminal["websocket"])) == 4401
+        assert await refused_with(communicator(terminal["websocket"], "hgr_not-a-token")) == 4401
+        assert await refused_with(communicator(terminal["websocket"], other_team_token)) == 4404
+        assert await refused_with(communicator("/ws/v1/terminals/tmnosuchterm", team_token)) == 4404
         # ?token= works for clients that cannot set headers.
         comm = communicator(terminal["websocket"] + f"?token={team_token}")
         assert (await comm.connect())[0]
@@ -302,7 +297,7 @@ def test_session_socket_needs_same_origin(terminal, client, django_user_model):
     async def main() -> None:
         evil = communicator(terminal["websocket"], headers=[(b"cookie", cookie), (b"origin", b"http://evil.example"),
                                                            (b"host", b"testserver")])  # fmt: skip
-        assert (await evil.connect())[1] == 4401
+        assert await refused_with(evil) == 4401
         good = communicator(terminal["websocket"], headers=[(b"cookie", cookie), (b"origin", b"http://testserver"),
                                                            (b"host", b"testserver")])  # fmt: skip
         assert (await good.connect())[0]
@@ -387,7 +382,7 @@ def test_exec_socket_bad_requests_are_explained(sandbox, team_token, other_team_
         err = await comm.receive_json_from(5)
         assert err["type"] == "error" and "/no/such/thing" in err["message"]
         other = communicator(f"/ws/v1/sandboxes/{sandbox}/exec", other_team_token)
-        assert (await other.connect())[1] == 4404
+        assert await refused_with(other) == 4404
 
     asyncio.run(main())
 
@@ -439,3 +434,112 @@ def test_live_pages_catch_up_on_what_changed_before_their_socket_opened(
     listing, detail = asyncio.run(main())
     assert re.search(rf'id="sb-{sid}"[^>]*data-status="running"', listing), listing[:500]
     assert 'id="sb-header"' in detail and 'data-status="running"' in detail
+
+
+def test_malformed_terminal_frames_are_refused_and_the_socket_keeps_serving(terminal, team_token):
+    async def main() -> None:
+        comm = communicator(terminal["websocket"] + "?flow=1", team_token)
+        assert (await comm.connect())[0]
+        await read_until(comm, PROMPT, acks=True)
+        bad = [
+            ('{"type": "ack", "bytes": "abc"}', "bad ack message: bytes"),
+            ('{"type": "resize", "rows": "x", "cols": 80}', "bad resize message: rows"),
+            ('{"type": "resize", "rows": 0, "cols": 80}', "bad resize message: rows"),
+            ('{"type": "input", "data": 5}', "bad input message: data"),
+            ('{"type": "warp"}', "unknown message type 'warp'"),
+            ("[1, 2]", "text frames must be JSON objects"),
+        ]
+        for frame, says in bad:
+            await comm.send_to(text_data=frame)
+            while (msg := await comm.receive_output(5)).get("text") is None:
+                pass  # terminal bytes still coming
+            error = json.loads(msg["text"])
+            assert error["type"] == "error" and error["message"].startswith(says), error
+        # Still serving: it answers pings, takes input and acknowledgements.
+        await comm.send_to(text_data=json.dumps({"type": "ping"}))
+        while (msg := await comm.receive_output(5)).get("text") is None:
+            pass
+        assert json.loads(msg["text"]) == {"type": "pong"}
+        await comm.send_to(text_data=json.dumps({"type": "input", "data": "echo still-$((40+2))\n"}))
+        await read_until(comm, b"still-42", acks=True)
+        await comm.disconnect()
+
+    asyncio.run(main())
+
+
+def test_malformed_exec_frames_are_refused_and_the_command_keeps_running(sandbox, team_token):
+    async def main() -> None:
+        comm = communicator(f"/ws/v1/sandboxes/{sandbox}/exec", team_token)
+        assert (await comm.connect())[0]
+        await comm.send_json_to({"cmd": "read a; echo got:$a", "rows": "x"})
+        error = await comm.receive_json_from(5)
+        assert error["type"] == "error" and "rows" in error["message"]
+        assert (await comm.receive_output(5))["code"] == 4400  # the request itself was bad
+
+        comm = communicator(f"/ws/v1/sandboxes/{sandbox}/exec", team_token)
+        assert (await comm.connect())[0]
+        await comm.send_json_to({"cmd": "read a; echo got:$a"})
+        assert (await comm.receive_json_from(10))["type"] == "start"
+        for frame, says in [
+            ({"type": "stdin_b64", "data": "!!"}, "bad stdin_b64 message: data"),
+            ({"type": "resize", "rows": "x", "cols": 1}, "bad resize message: rows"),
+            ({"type": "signal", "signal": 1000}, "bad signal message"),
+            ({"type": "stdin", "data": ["a"]}, "bad stdin message: data"),
+        ]:
+            await comm.send_json_to(frame)
+            error = await comm.receive_json_from(5)
+            assert error["type"] == "error" and error["message"].startswith(says), error
+        await comm.send_json_to({"type": "stdin", "data": "fine\n"})
+        assert await comm.receive_json_from(10) == {"type": "stdout", "data": "got:fine\n"}
+        assert (await comm.receive_json_from(10))["type"] == "exit"
+
+    asyncio.run(main())
+
+
+def test_a_bad_query_string_closes_the_socket_with_4400_and_the_reason(api, sandbox, team_token):
+    proc = api.post(f"/sandboxes/{sandbox}/exec", json={"cmd": "sleep 5", "background": True}).json()
+
+    async def main() -> None:
+        for query, says in [
+            (f"process={proc['id']}&offset=abc", "offset"),
+            ("process=abc", "process"),
+            ("encoding=latin-1", "encoding"),
+        ]:
+            comm = communicator(f"/ws/v1/sandboxes/{sandbox}/exec?{query}", team_token)
+            assert (await comm.connect())[0]
+            error = await comm.receive_json_from(5)
+            assert error["type"] == "error" and error["message"].startswith("bad query string: ")
+            assert says in error["message"]
+            closed = await comm.receive_output(5)
+            assert closed["type"] == "websocket.close" and closed["code"] == 4400
+            assert closed["reason"] == error["message"]
+
+    asyncio.run(main())
+
+
+def test_refusals_reach_a_real_client_as_close_codes_not_http_403(
+    server, terminal, sandbox, team_token, other_team_token
+):
+    """Through daphne, as browsers and SDKs meet it: a socket refused before its handshake was
+    accepted would be an HTTP 403 with no close code."""
+    from websockets.exceptions import ConnectionClosed
+    from websockets.sync.client import connect
+
+    ws = server.replace("http://", "ws://")
+
+    def close_of(path: str, token: str | None = None) -> tuple[int, list[str]]:
+        """The close code, and the text frames that came before it."""
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        frames = []
+        with connect(ws + path, additional_headers=headers, open_timeout=10) as conn:
+            with pytest.raises(ConnectionClosed) as closed:
+                while True:
+                    frames.append(conn.recv(timeout=10))
+        return closed.value.rcvd.code, frames
+
+    assert close_of(terminal["websocket"])[0] == 4401
+    assert close_of(terminal["websocket"], "hgr_not-a-token")[0] == 4401
+    assert close_of(terminal["websocket"], other_team_token)[0] == 4404
+    assert close_of(f"/ws/v1/sandboxes/{sandbox}/exec", other_team_token)[0] == 4404
+    code, said = close_of(f"/ws/v1/sandboxes/{sandbox}/exec?process=1&offset=abc", team_token)
+    assert code == 4400 and json.loads(said[0])["message"].startswith("bad query string: offset")

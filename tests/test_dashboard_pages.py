@@ -12,10 +12,11 @@ from django.contrib.auth import get_user_model
 from django.template.loader import render_to_string
 from django.utils import timezone
 
-from dashboard.teams import SESSION_KEY
-from dashboard.views import sandbox_rows_context
+from dashboard.pages.sandbox_views import sandbox_rows_context
+from dashboard.pages.teams import SESSION_KEY
 from runtime.models import Exec, Image, ImageJob, Membership, Sandbox, SandboxEvent, Team
 from runtime.services.nodes import node_register
+from tests.support import GVISOR
 
 S = Sandbox.Status
 
@@ -73,6 +74,58 @@ def test_sign_in_page_renders_and_signs_in(client, alpha):
     assert client.get("/sandboxes/").status_code == 302
 
 
+@pytest.fixture
+def fresh_throttle():
+    from runtime.notify import redis_client
+
+    def clear() -> None:
+        keys = list(redis_client().scan_iter("hangar:login:*"))
+        if keys:
+            redis_client().delete(*keys)
+
+    clear()
+    yield
+    clear()
+
+
+@pytest.mark.django_db
+def test_failed_sign_ins_make_the_next_ones_wait_on_every_sign_in_form(
+    client, alpha, settings, fresh_throttle
+):
+    import time
+
+    settings.HANGAR_LOGIN_FREE_FAILURES = 3
+    _member("ann", alpha)
+    for _ in range(4):  # three free, the fourth makes the next wait 1 s
+        wrong = client.post("/login/", {"username": "ann", "password": "nope"})
+        assert wrong.status_code == 200 and "msg error" in wrong.content.decode()
+    # Now even the right password is not checked: a 429 that says how long to wait.
+    r = client.post("/login/", {"username": "ANN ", "password": "pw"})
+    assert r.status_code == 429 and int(r["Retry-After"]) >= 1
+    assert "Too many failed sign-ins" in r.content.decode()
+    assert client.get("/sandboxes/").status_code == 302  # not signed in
+    # The admin's sign-in form is no way around it, nor is Django's authenticate().
+    staff = get_user_model().objects.get(username="ann")
+    staff.is_staff = True
+    staff.save()
+    r = client.post("/admin/login/?next=/admin/", {"username": "ann", "password": "pw"})
+    assert r.status_code == 200 and "Too many failed sign-ins" in r.content.decode()
+    assert not client.login(username="ann", password="pw")
+    time.sleep(1.1)
+    r = client.post("/login/", {"username": "ann", "password": "pw"})
+    assert r.status_code == 302  # waited: checked, and right
+
+
+@pytest.mark.django_db
+def test_one_address_trying_many_accounts_is_throttled_too(client, alpha, settings, fresh_throttle):
+    settings.HANGAR_LOGIN_FREE_FAILURES = 2  # an address: four times that, 8
+    _member("bob", alpha)
+    for i in range(9):
+        client.post("/login/", {"username": f"user{i}", "password": "guess"})
+    r = client.post("/login/", {"username": "bob", "password": "pw"})
+    assert r.status_code == 429
+
+
 @pytest.mark.django_db
 @pytest.mark.parametrize(
     "url",
@@ -108,7 +161,7 @@ def test_posts_require_sign_in(client, alpha):
 
 @pytest.mark.django_db
 def test_sandbox_list_shows_the_current_teams_sandboxes_only(client, ann, alpha, beta):
-    node = node_register(name="node-a", runtimes=["gvisor"], cpu=4, memory_mb=8192)
+    node = node_register(name="node-a", launchers=GVISOR, cpu=4, memory_mb=8192)
     mine = _sandbox(alpha, node=node, memory_mb=768)
     theirs = _sandbox(beta)
     page = client.get("/sandboxes/").content.decode()
@@ -123,7 +176,7 @@ def test_sandbox_list_and_page_show_cpu_memory_and_disk_in_use_from_the_last_sam
     import json
 
     from runtime.notify import redis_client
-    from runtime.services.sandboxes import STATS_KEY
+    from runtime.services.sandbox_io import STATS_KEY
 
     sampled, unsampled = _sandbox(alpha, disk_mb=2048), _sandbox(alpha)
     sample = {"cpu_pct": 12.4, "memory_bytes": 50 * 1024 * 1024, "disk_bytes": 300 * 1024 * 1024}
@@ -193,7 +246,7 @@ def test_sandbox_list_pages_fifty_at_a_time(client, ann, alpha):
 def test_sandbox_list_with_a_thousand_sandboxes_is_a_bounded_number_of_queries(
     client, ann, alpha, django_assert_max_num_queries
 ):
-    node = node_register(name="node-a", runtimes=["gvisor"], cpu=64, memory_mb=65536)
+    node = node_register(name="node-a", launchers=GVISOR, cpu=64, memory_mb=65536)
     Image.objects.create(name="busybox", digest="sha256:" + "a" * 64).nodes.add(node)
     statuses = [S.RUNNING, S.STOPPED, S.FAILED, S.STARTING, S.DELETED]
     Sandbox.objects.bulk_create(
@@ -322,7 +375,7 @@ def test_create_form_without_a_node_says_so(client, ann):
 
 @pytest.mark.django_db
 def test_create_redirects_to_the_sandbox_page_which_shows_it_starting(client, ann, alpha):
-    node = node_register(name="node-a", runtimes=["gvisor"], cpu=4, memory_mb=8192)
+    node = node_register(name="node-a", launchers=GVISOR, cpu=4, memory_mb=8192)
     Image.objects.create(name="busybox", digest="sha256:" + "a" * 64).nodes.add(node)
     r = client.post("/sandboxes/", {"image": "busybox", "runtime": "gvisor", "cpu": "0.5", "memory_mb": "256",
                                     "timeout_s": "900", "env": "A=1\nB=two=2\n", "on_expire": "pause",
@@ -366,7 +419,7 @@ def test_sandbox_page_is_a_404_for_another_teams_sandbox(client, ann, beta):
 
 @pytest.mark.django_db
 def test_sandbox_page_header_shows_the_sandbox(client, ann, alpha):
-    node = node_register(name="node-a", runtimes=["gvisor"], cpu=4, memory_mb=8192)
+    node = node_register(name="node-a", launchers=GVISOR, cpu=4, memory_mb=8192)
     sandbox = _sandbox(alpha, node=node, cpu=2, memory_mb=1024)
     page = client.get(f"/sandboxes/{sandbox.id}/").content.decode()
     assert 'id="sb-header"' in page and 'class="status running"' in page and "node-a" in page
@@ -519,6 +572,7 @@ class FakeSandboxFiles:
     def __init__(self, files: dict[str, bytes]) -> None:
         self.files = files
         self.written: dict[str, bytes] = {}
+        self.no_pseudo_fs: list[bool] = []  # what each read and listing asked for
 
     def entry(self, path: str):
         from runtime.launchers.base import FileEntry
@@ -534,31 +588,33 @@ class FakeSandboxFiles:
             1.7e9,
         )
 
-    def list(self, *, sandbox, path):
+    def list(self, *, sandbox, path, no_pseudo_fs=False):
         from runtime.errors import NotFound
 
+        self.no_pseudo_fs.append(no_pseudo_fs)
         prefix = path.rstrip("/") + "/"
         names = {p[len(prefix) :].split("/")[0] for p in self.files if p.startswith(prefix)}
         if not names and path != "/":
             raise NotFound(f"{path}: No such file or directory")
         return [self.entry(prefix + n) for n in sorted(names)]
 
-    def read(self, *, sandbox, path):
+    def read(self, *, sandbox, path, no_pseudo_fs=False):
         from runtime.errors import NotFound
 
+        self.no_pseudo_fs.append(no_pseudo_fs)
         if path not in self.files:
             raise NotFound(f"{path}: No such file or directory")
         data = self.files[path]
         return self.entry(path), iter([data[i : i + 65536] for i in range(0, len(data), 65536)])
 
-    def write(self, *, sandbox, path, data):
-        self.written[path] = data
+    def write(self, *, sandbox, path, data, size=None):
+        self.written[path] = data = b"".join(data)  # the upload's chunks, as the page streams them
         return len(data)
 
 
 @pytest.fixture
 def fake_files(monkeypatch):
-    from runtime.services import sandboxes as svc
+    from runtime.services import sandbox_io as svc
 
     fake = FakeSandboxFiles(
         {
@@ -627,6 +683,21 @@ async def _collect(stream) -> bytes:
 
 
 @pytest.mark.django_db
+def test_a_viewers_file_reads_keep_out_of_proc_and_sys(client, alpha, fake_files):
+    sandbox = _sandbox(alpha)
+    base = f"/sandboxes/{sandbox.id}"
+    client.force_login(_member("vic", alpha, Membership.Role.VIEWER))
+    client.get(f"{base}/?tab=files&path=/etc&file=/etc/motd")
+    client.get(f"{base}/files/download?path=/etc/motd")
+    assert fake_files.no_pseudo_fs == [True, True, True]
+    fake_files.no_pseudo_fs.clear()
+    client.force_login(_member("mo", alpha))
+    client.get(f"{base}/?tab=files&path=/etc&file=/etc/motd")
+    client.get(f"{base}/files/download?path=/etc/motd")
+    assert fake_files.no_pseudo_fs == [False, False, False]
+
+
+@pytest.mark.django_db
 def test_upload_writes_into_the_current_directory(client, ann, alpha, fake_files):
     from django.core.files.uploadedfile import SimpleUploadedFile
 
@@ -645,7 +716,7 @@ def test_upload_writes_into_the_current_directory(client, ann, alpha, fake_files
 
 @pytest.mark.django_db
 def test_images_page_lists_images_and_jobs_and_only_staff_get_the_forms(client, ann, alpha):
-    node = node_register(name="node-a", runtimes=["gvisor"], cpu=4, memory_mb=8192)
+    node = node_register(name="node-a", launchers=GVISOR, cpu=4, memory_mb=8192)
     Image.objects.create(name="busybox", digest="sha256:" + "a" * 64, size_bytes=2_000_000).nodes.add(node)
     ImageJob.objects.create(kind="pull", ref="reg.example/app:1", name="app", node=node, status="failed",
                             error="skopeo: connection refused")  # fmt: skip
@@ -659,10 +730,11 @@ def test_images_page_lists_images_and_jobs_and_only_staff_get_the_forms(client, 
 
 
 @pytest.mark.django_db
-def test_staff_start_a_build_and_land_on_its_page(client, alpha):
+def test_staff_start_a_build_and_land_on_its_page(client, alpha, settings):
     get_user_model().objects.create_user("root", password="pw", is_staff=True)
     client.login(username="root", password="pw")
-    node_register(name="test-node", runtimes=["gvisor"], cpu=4, memory_mb=8192)
+    node = settings.HANGAR_NODE_NAME  # where a build goes: this node, whatever a run calls it
+    node_register(name=node, launchers=GVISOR, cpu=4, memory_mb=8192)
     page = client.get("/images/").content.decode()
     assert 'id="pull-form"' in page and 'id="build-form"' in page
     r = client.post("/images/", {"action": "pull", "ref": "has space"})
@@ -672,7 +744,7 @@ def test_staff_start_a_build_and_land_on_its_page(client, alpha):
     job = ImageJob.objects.get()
     assert r.status_code == 302 and r["Location"] == f"/images/jobs/{job.id}/"
     page = client.get(r["Location"]).content.decode()
-    assert f'ws-connect="/ws/ui/images/jobs/{job.id}"' in page and "Waiting for node test-node" in page
+    assert f'ws-connect="/ws/ui/images/jobs/{job.id}"' in page and f"Waiting for node {node}" in page
     assert client.get("/images/jobs/424242/").status_code == 404
 
 
@@ -683,7 +755,7 @@ def test_staff_start_a_build_and_land_on_its_page(client, alpha):
 def test_volumes_page_lists_the_teams_volumes_with_their_holders(client, ann, alpha, beta):
     from runtime.models import SandboxVolume, Volume
 
-    node = node_register(name="node-a", runtimes=["gvisor"], cpu=4, memory_mb=8192)
+    node = node_register(name="node-a", launchers=GVISOR, cpu=4, memory_mb=8192)
     mine = Volume.objects.create(team=alpha, name="workspace", size_mb=1024, node=node)
     Volume.objects.create(team=beta, name="secret-stuff", size_mb=64, node=node)
     holder = _sandbox(alpha)
@@ -714,7 +786,7 @@ def test_viewers_cannot_create_or_delete_volumes(client, alpha):
 
 @pytest.mark.django_db
 def test_pause_and_resume_from_the_sandbox_page(client, ann, alpha):
-    node = node_register(name="node-a", runtimes=["gvisor"], cpu=4, memory_mb=8192)
+    node = node_register(name="node-a", launchers=GVISOR, cpu=4, memory_mb=8192)
     Image.objects.create(name="busybox", digest="sha256:" + "b" * 64).nodes.add(node)
     sb = _sandbox(alpha, node=node)
     page = client.get(f"/sandboxes/{sb.id}/").content.decode()
@@ -736,7 +808,7 @@ def test_pause_and_resume_from_the_sandbox_page(client, ann, alpha):
 def test_sandboxes_page_shows_warm_pools_and_hides_their_unclaimed_members(client, ann, alpha):
     from runtime.models import Pool
 
-    node = node_register(name="node-a", runtimes=["gvisor"], cpu=4, memory_mb=8192)
+    node = node_register(name="node-a", launchers=GVISOR, cpu=4, memory_mb=8192)
     pool = Pool.objects.create(team=alpha, image="busybox", memory_mb=256, size=3)
     warm = [_sandbox(alpha, node=node, pool=pool) for _ in range(2)]
     claimed = _sandbox(alpha, node=node, pool=pool, claimed_at=timezone.now())

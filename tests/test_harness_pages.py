@@ -9,7 +9,20 @@ import subprocess
 import pytest
 from django.contrib.auth import get_user_model
 
-from runtime.models import Harness, HarnessLogEntry, Membership, Run, Sandbox, SshKey, Team, Volume
+from runtime.models import (
+    Harness,
+    HarnessLogEntry,
+    Image,
+    ImageJob,
+    Membership,
+    Node,
+    Run,
+    Sandbox,
+    SshKey,
+    Team,
+    Volume,
+)
+from tests.support import GVISOR
 
 
 def _member(username: str, team: Team, role: str):
@@ -87,6 +100,73 @@ def test_the_create_form_explains_bad_input(client, crew, harness):
     assert r.status_code == 422 and "invalid harness name" in r.content.decode()
     r = client.post("/harnesses/", {"name": "ok", "agent": "custom", "command": "x", "cpu": "lots"})
     assert r.status_code == 422 and "CPU must be a number" in r.content.decode()
+
+
+def test_without_the_base_image_the_form_says_so_and_offers_only_the_images_there_are(client, crew, settings):
+    Image.objects.create(name="busybox", digest="sha256:b")
+    client.force_login(_member("mel", crew, "member"))
+    page = client.get("/harnesses/?new=1").content.decode()
+    assert 'id="image-missing"' in page and "The base image is not built on this Hangar yet" in page
+    assert "Building it takes a minute or two" in page and "they need an image with Node.js and npm" in page
+    select = page.split('id="h-image"')[1].split("</select>")[0]
+    assert '<option value="">base: not built yet</option>' in select and '<option value="busybox">' in select
+    assert 'value="base"' not in select
+    # A member is told whom to ask, and what they run.
+    assert 'id="ask-admin"' in page and "hangar image build base" in page and 'id="build-image"' not in page
+    # Creating on it anyway is a clear form error, not a 500.
+    for image in ("", "base"):
+        r = client.post("/harnesses/", {"name": "web", "agent": "claude-code", "image": image})
+        text = r.content.decode()
+        assert r.status_code == 400, (image, r.status_code)
+        assert (
+            "unknown image &#x27;base&#x27;; images available: busybox; base is not built on this Hangar yet"
+            in text
+        )
+        assert "`hangar image build base` (a minute or two)" in text and 'id="harness-error"' in text
+    assert not Harness.objects.exists()
+
+
+def test_with_the_base_image_the_form_preselects_it_and_says_nothing_more(client, crew):
+    for name in ("base", "busybox", "minimal"):
+        Image.objects.create(name=name, digest=f"sha256:{name}")
+    client.force_login(_member("mel", crew, "member"))
+    page = client.get("/harnesses/?new=1").content.decode()
+    assert 'id="image-needed"' not in page
+    select = page.split('id="h-image"')[1].split("</select>")[0]
+    assert '<option value="base" selected>' in select and "not built yet" not in select
+
+
+def test_staff_build_the_missing_image_from_the_form_and_everyone_sees_its_progress(client, crew, settings):
+    Node.objects.create(name=settings.HANGAR_NODE_NAME, launchers=GVISOR)
+    staff = _member("root", crew, "member")
+    staff.is_staff = True
+    staff.save()
+    client.force_login(staff)
+    page = client.get("/harnesses/?new=1").content.decode()
+    assert 'id="build-image"' in page and 'id="ask-admin"' not in page
+    r = client.post("/harnesses/new/image/")
+    job = ImageJob.objects.get()
+    assert (job.kind, job.ref, job.created_by) == ("build", "base", staff)
+    assert r.status_code == 302 and r["Location"] == f"/harnesses/?new=1&job={job.id}#new-harness"
+    page = client.get(r["Location"]).content.decode()
+    # Its progress, live (the Images page's job socket), in place of the button.
+    assert f'ws-connect="/ws/ui/images/jobs/{job.id}"' in page and 'id="job-log"' in page
+    assert 'id="build-image"' not in page and "Waiting for node" in page
+
+    # A member sees the build that is going, and is not asked to bother an administrator.
+    ImageJob.objects.filter(id=job.id).update(status="running", log="I: downloading packages with apt...\n")
+    client.force_login(_member("mel", crew, "member"))
+    page = client.get("/harnesses/?new=1").content.decode()
+    assert "downloading packages with apt" in page and 'id="ask-admin"' not in page
+    assert client.post("/harnesses/new/image/").status_code == 403
+    assert client.get("/harnesses/new/image/").status_code == 405
+    assert ImageJob.objects.count() == 1
+
+    # Once it failed, staff get the button again, beside what went wrong.
+    ImageJob.objects.filter(id=job.id).update(status="failed", error="mmdebstrap failed")
+    client.force_login(staff)
+    page = client.get(f"/harnesses/?new=1&job={job.id}").content.decode()
+    assert "mmdebstrap failed" in page and 'id="build-image"' in page
 
 
 def test_ssh_keys_are_added_shown_and_removed_on_the_profile(client, crew, tmp_path):

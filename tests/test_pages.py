@@ -7,6 +7,7 @@ from django.contrib.auth import get_user_model
 
 from runtime.models import Image, Membership, Team
 from runtime.services.nodes import node_register
+from tests.support import GVISOR
 
 
 @pytest.mark.django_db
@@ -19,7 +20,7 @@ def test_overview_requires_sign_in(client):
 def test_overview_shows_nodes_and_images(client):
     user = get_user_model().objects.create_user("ann", password="pw")
     Membership.objects.create(user=user, team=Team.objects.create(name="core"))
-    node = node_register(name="node-a", runtimes=["gvisor"], cpu=2, memory_mb=2048)
+    node = node_register(name="node-a", launchers=GVISOR, cpu=2, memory_mb=2048)
     Image.objects.create(name="busybox", digest="sha256:" + "a" * 64).nodes.add(node)
     client.force_login(user)
     page = client.get("/").content.decode()

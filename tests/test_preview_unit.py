@@ -7,8 +7,9 @@ import asyncio
 
 import pytest
 
-from dashboard.preview import Denied, Preview
-from runtime.launchers.network import Network
+from dashboard.edge.preview import Denied, Preview
+from runtime.host.hostnames import HostNames
+from runtime.host.network import Network
 from runtime.services import previews
 
 
@@ -68,10 +69,13 @@ def test_the_cookie_is_refused_for_changes_started_by_another_site():
 
 
 def test_exceptions_never_open_the_pool_of_other_sandboxes(tmp_path):
-    net = Network(tmp_path, pool="10.88.0.0/16", exceptions=["10.0.0.0/8"], nameservers=["1.1.1.1"])
+    names, claims = HostNames("abc123"), tmp_path / "claims"
+    net = Network(tmp_path, names, pool="10.88.0.0/16", exceptions=["10.0.0.0/8"], nameservers=["1.1.1.1"],
+                  claims_dir=claims)  # fmt: skip
     denied = net.denied()
     assert "10.88.0.0/16" in denied and not any(d == "10.0.0.0/8" for d in denied)
-    net = Network(tmp_path, pool="10.88.0.0/16", exceptions=["192.168.5.0/24"], nameservers=["1.1.1.1"])
+    net = Network(tmp_path, names, pool="10.88.0.0/16", exceptions=["192.168.5.0/24"], nameservers=["1.1.1.1"],
+                  claims_dir=claims)  # fmt: skip
     assert "192.168.5.0/24" not in net.denied() and "192.168.4.0/24" in net.denied()
 
 
@@ -82,7 +86,7 @@ def test_requests_for_a_paused_sandbox_share_one_wake_up_and_hold_no_threads(tra
 
     from django.db import connection
 
-    from dashboard import preview
+    from dashboard.edge import preview
     from runtime import notify
     from runtime.models import Sandbox, Team
     from runtime.services import sandboxes as svc

@@ -4,6 +4,7 @@ ssh-gateway`` run as its own process on a free loopback port, into harnesses run
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import os
 import signal
@@ -387,3 +388,68 @@ def test_port_forwarding_is_refused(box, gateway, keys):
     r = subprocess.run([*base, "-N", "-o", "ExitOnForwardFailure=yes", "-R", "0:127.0.0.1:22", "box@127.0.0.1"],
                        capture_output=True, timeout=60)  # fmt: skip
     assert r.returncode == 255 and b"forwarding failed" in r.stderr, r
+
+
+# -- access ending while connected ---------------------------------------------------------------------
+
+
+def test_a_session_ends_when_its_user_is_lowered_removed_or_their_key_deleted(
+    api, server, box, gateway, keys
+):
+    """An open SSH session lasts as long as its access: lowered below member (a shell is a
+    member's right), the key deleted, or removed from the team, it ends at once, and what is
+    typed after runs nothing."""
+    import asyncssh
+    from django.contrib.auth import get_user_model
+
+    from runtime.models import Membership, Team
+    from runtime.services.auth import token_create
+
+    team = Team.objects.get(name="alpha")
+    bob = get_user_model().objects.create_user(username="bob", password="pw")
+    Membership.objects.create(user=bob, team=team, role=Membership.Role.MEMBER)
+    bobs = httpx.Client(base_url=f"{server}/api/v1", timeout=60,
+                        headers={"Authorization": f"Bearer {token_create(user=bob, team=team).raw}"})  # fmt: skip
+    register(bobs, keys["stranger"])
+
+    async def typing_after(change, marker: str) -> tuple[int | None, str]:
+        async with asyncssh.connect(
+            "127.0.0.1", gateway["port"], username="box", client_keys=[str(keys["stranger"])], known_hosts=None,
+            agent_path=None, config=None,
+        ) as conn:  # fmt: skip
+            proc = await conn.create_process(term_type="xterm", term_size=(80, 24), encoding="utf-8")
+            buf = ""
+            proc.stdin.write("echo in-$((6*7))\n")
+            while "in-42" not in buf:
+                chunk = await asyncio.wait_for(proc.stdout.read(4096), 30)
+                assert chunk, buf
+                buf += chunk
+            await asyncio.to_thread(change)
+            # It ends at once (a keystroke racing the change by the moment the message takes
+            # to arrive is as good as one typed before it); nothing typed after runs.
+            err = await asyncio.wait_for(proc.stderr.read(), 5)
+            result = await asyncio.wait_for(proc.wait(), 5)
+            with contextlib.suppress(Exception):
+                proc.stdin.write(f"touch /workspace/{marker}\n")
+            return result.exit_status, err
+
+    def role(name: str) -> None:
+        assert api.patch(f"/teams/{team.id}/members/bob", json={"role": name}).status_code == 200
+
+    code, err = asyncio.run(typing_after(lambda: role("viewer"), "typed-as-viewer"))
+    assert code == 255 and "access ended" in err and "a shell needs member" in err, (code, err)
+    role("member")
+    key_id = bobs.get("/ssh-keys").json()[0]["id"]
+    code, err = asyncio.run(typing_after(lambda: bobs.delete(f"/ssh-keys/{key_id}"), "typed-without-a-key"))
+    assert code == 255 and "key of this connection was removed" in err, (code, err)
+    register(bobs, keys["stranger"])
+    code, err = asyncio.run(
+        typing_after(lambda: api.delete(f"/teams/{team.id}/members/bob"), "typed-when-out")
+    )
+    assert code == 255 and "no harness 'box' in your teams" in err, (code, err)
+    time.sleep(1)  # what was typed would have run by now
+    listing = ok(ssh(gateway, keys["alice"], "ls /workspace"))
+    assert "typed-" not in listing, listing
+    # And a new connection is refused outright.
+    r = ssh(gateway, keys["stranger"], "true", quiet=False)
+    assert r.returncode == 255 and "Permission denied" in r.stderr.decode(), r

@@ -12,6 +12,7 @@ from django.utils import timezone
 
 from runtime.models import ApiToken, AuditEvent, Membership, Secret, Team, TeamPolicy, UsageHour
 from runtime.services import secrets as secret_svc
+from tests.support import GVISOR
 
 
 def _member(username: str, team: Team, role: str, **kw):
@@ -113,7 +114,8 @@ def test_the_usage_page_draws_a_chart_per_team_and_exports_csv(client, crew):
     assert client.get("/usage/").content.decode().count("<svg") == 4
 
 
-def test_the_audit_page_filters_and_pages_and_exports(client, crew):
+def test_the_audit_page_filters_and_pages_and_exports(client, crew, transactional_db):
+    # transactional: the export reads its pages on the blocking pool, on connections of its own
     from runtime.services import audit
 
     for i in range(105):
@@ -129,7 +131,7 @@ def test_the_audit_page_filters_and_pages_and_exports(client, crew):
     assert client.get(f"/audit/?{older}").content.decode().count('data-action="') == 6
     page = client.get("/audit/?action=member.").content.decode()
     assert page.count('data-action="') == 1 and "zed" in page
-    body = b"".join(client.get("/audit.csv?action=sandbox.").streaming_content).decode()
+    body = b"".join(client.get("/audit.csv?action=sandbox.")).decode()
     assert len(body.strip().splitlines()) == 1 + 105
 
 
@@ -137,7 +139,7 @@ def test_the_create_form_offers_the_teams_secrets_and_gives_the_chosen_ones(clie
     from runtime.models import Image, Sandbox
     from runtime.services.nodes import node_register
 
-    node = node_register(name="node-a", runtimes=["gvisor"], cpu=4, memory_mb=8192)
+    node = node_register(name="node-a", launchers=GVISOR, cpu=4, memory_mb=8192)
     Image.objects.create(name="busybox", digest="sha256:" + "a" * 64).nodes.add(node)
     secret_svc.secret_create(team=crew, name="API_KEY", value="v1")
     secret_svc.secret_create(team=crew, name="OTHER", value="v2")
@@ -166,7 +168,7 @@ def test_the_create_form_sets_the_network_and_explains_a_bad_one(client, crew):
     from runtime.models import Image, Sandbox
     from runtime.services.nodes import node_register
 
-    node = node_register(name="node-a", runtimes=["gvisor"], cpu=4, memory_mb=8192)
+    node = node_register(name="node-a", launchers=GVISOR, cpu=4, memory_mb=8192)
     Image.objects.create(name="busybox", digest="sha256:" + "a" * 64).nodes.add(node)
     client.force_login(_member("mel", crew, "member"))
     form = {"image": "busybox", "runtime": "gvisor", "cpu": "0.5", "memory_mb": "256", "timeout_s": "600"}
@@ -190,6 +192,7 @@ def test_viewers_cannot_revoke_invitations_and_bad_numbers_are_messages(client, 
     assert r.status_code == 403 and Invitation.objects.get(id=issued.invitation.id).revoked_at is None
     client.force_login(_member("ada", crew, "admin"))
     for form in ({"action": "invite", "role": "member", "days": "inf"}, {"action": "token_revoke", "token": "x"},
+                 {"action": "token_revoke", "token": "1\u00b9"},  # a digit to isdigit(), not to int()
                  {"action": "quotas", "sandboxes": "nan"}):  # fmt: skip
         r = client.post("/team/settings/", form)
         assert r.status_code == 422, (form, r.status_code)

@@ -6,14 +6,15 @@ import asyncio
 import logging
 import threading
 
-from django.db import close_old_connections
+from django.db import DataError, close_old_connections
 from django.http import HttpRequest, HttpResponse
 from ninja import NinjaAPI
-from ninja.errors import AuthenticationError, ValidationError
+from ninja.errors import AuthenticationError, HttpError, ValidationError
 
 from runtime.errors import ServiceError
 
 from .auth import TokenAuth
+from .schemas import ApiParser, BodyError, document_errors, explain
 
 log = logging.getLogger(__name__)
 api = NinjaAPI(
@@ -22,13 +23,18 @@ api = NinjaAPI(
     description="Sandboxes and harnesses for AI agents. Authenticate with `Authorization: Bearer <token>`.",
     auth=TokenAuth(),
     urls_namespace="api-v1",
+    parser=ApiParser(),
 )
 
 
 @api.exception_handler(ServiceError)
 def service_error(request: HttpRequest, exc: ServiceError) -> HttpResponse:
     _audit_refusal(request, exc.status_code, exc.message)
-    return api.create_response(request, {"detail": exc.message, **exc.extra}, status=exc.status_code)
+    response = api.create_response(request, {"detail": exc.message, **exc.extra}, status=exc.status_code)
+    retry_after = getattr(exc, "retry_after", None)
+    if retry_after is not None:
+        response["Retry-After"] = str(retry_after)
+    return response
 
 
 def _audit_refusal(request: HttpRequest, status: int, message: str) -> None:
@@ -72,13 +78,27 @@ def auth_error(request: HttpRequest, exc: AuthenticationError) -> HttpResponse:
     )
 
 
+@api.exception_handler(HttpError)
+def http_error(request: HttpRequest, exc: HttpError) -> HttpResponse:
+    # ninja says "Cannot parse request body" whatever was wrong with it; the parser knows what.
+    cause = exc.__cause__
+    detail = cause.args[0] if isinstance(cause, BodyError) else str(exc)
+    return api.create_response(request, {"detail": detail}, status=exc.status_code)
+
+
 @api.exception_handler(ValidationError)
 def validation_error(request: HttpRequest, exc: ValidationError) -> HttpResponse:
-    messages = []
-    for err in exc.errors:
-        loc = ".".join(str(p) for p in err.get("loc", ()) if p not in ("body", "payload", "query"))
-        messages.append(f"{loc}: {err.get('msg', 'invalid')}" if loc else err.get("msg", "invalid"))
-    return api.create_response(request, {"detail": "; ".join(messages), "errors": exc.errors}, status=422)
+    return api.create_response(request, {"detail": explain(exc.errors), "errors": exc.errors}, status=422)
+
+
+@api.exception_handler(DataError)
+def data_error(request: HttpRequest, exc: DataError) -> HttpResponse:
+    """A value the database cannot hold or compare: a NUL byte in text, a number past 64 bits.
+    The request's, so a 422, whatever field it came in."""
+    reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    return api.create_response(
+        request, {"detail": f"a value in this request cannot be used: {reason}"}, status=422
+    )
 
 
 from .audit import router as audit_router  # noqa: E402
@@ -110,3 +130,4 @@ api.add_router("/harnesses", harnesses_router)
 api.add_router("/runs", runs_router)
 api.add_router("/ssh-keys", ssh_keys_router)
 api.add_router("", system_router)
+document_errors(api)

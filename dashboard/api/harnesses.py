@@ -5,50 +5,69 @@ from __future__ import annotations
 
 import asyncio
 from datetime import datetime
-from typing import Any
+from typing import Annotated, Any, Literal
 
 from django.conf import settings
-from django.http import HttpRequest
 from ninja import Query, Router, Schema
 from pydantic import Field
 
-from runtime import presets, streams
+from dashboard.live import wait_for
+from runtime import presets
 from runtime.models import Harness, Run, Sandbox
+from runtime.notify import sandbox_channel
 from runtime.services import harnesses as svc
 from runtime.services import processes as proc_svc
 from runtime.services import runs as run_svc
 from runtime.services import ssh_keys as key_svc
+from runtime.services.runs import MAX_PROMPT
+from runtime.services.sandboxes import SETTLED
+from runtime.services.volumes import MIN_MB as VOLUME_MIN_MB
 
+from ..auth_watch import while_authorised
+from ..streaming import ndjson_response
+from .auth import AuthedRequest
 from .blocking import blocking
-from .processes import ndjson_events, ndjson_response
+from .processes import MAX_OFFSET, ndjson_events
+from .schemas import NDJSON_CONTENT, StrictIn, errors
 
 router = Router(tags=["harnesses"])
 runs_router = Router(tags=["harnesses"])
 keys_router = Router(tags=["ssh keys"])
 
 
-class RepoIn(Schema):
+class RepoIn(StrictIn):
     url: str = Field(description="https://…, ssh://…, git://… or git@host:owner/repo.git")
     branch: str = Field("", description="default: the repository's default branch")
     secret: str = Field("", description="a team secret holding a token (https) or a deploy key (ssh)")
 
 
-class HarnessIn(Schema):
-    name: str = Field(description="1-63 of a-z 0-9 -, unique in the team: the SSH user name")
-    agent: str = Field(description=f"one of: {', '.join(presets.PRESETS)}")
+class HarnessIn(StrictIn):
+    name: str = Field(
+        min_length=1, max_length=63, description="1-63 of a-z 0-9 -, unique in the team: the SSH user name"
+    )
+    agent: Literal[tuple(presets.PRESETS)] = Field(  # type: ignore[valid-type]
+        description="the coding agent (custom: your own `command`)"
+    )
     command: str | list[str] | None = Field(
         None, description="custom agent: the command (a string runs in sh -c)"
     )
-    image: str = "base"
-    cpu: float = 1.0
-    memory_mb: int = 2048
+    image: str = Field("base", min_length=1, max_length=300)
+    cpu: float = Field(1.0, ge=0.1, le=settings.HANGAR_SANDBOX_MAX_CPU)
+    memory_mb: int = Field(
+        2048, ge=settings.HANGAR_SANDBOX_MIN_MEMORY_MB, le=settings.HANGAR_SANDBOX_MAX_MEMORY_MB
+    )
     disk_mb: int | None = Field(
-        None, description="the workspace volume's size (default HANGAR_HARNESS_DISK_MB)"
+        None,
+        ge=VOLUME_MIN_MB,
+        le=settings.HANGAR_VOLUME_MAX_MB,
+        description="the workspace volume's size (default HANGAR_HARNESS_DISK_MB)",
     )
     repo: RepoIn | None = None
     secrets: list[str] = Field(default_factory=list, description="team secrets given as env vars (API keys)")
     env: dict[str, str] = Field(default_factory=dict)
-    idle_timeout_s: int | None = Field(
+    idle_timeout_s: (
+        Literal[0] | Annotated[int, Field(ge=10, le=settings.HANGAR_SANDBOX_MAX_TIMEOUT_S)] | None
+    ) = Field(
         None,
         description="pause after this long without activity (default HANGAR_HARNESS_IDLE_TIMEOUT_S; 0: never)",
     )
@@ -105,9 +124,14 @@ def harness_out(h: Harness) -> HarnessOut:
     )  # fmt: skip
 
 
-class RunIn(Schema):
-    prompt: str
-    timeout_s: int | None = Field(None, description="default 3600 (at most HANGAR_RUN_MAX_TIMEOUT_S)")
+class RunIn(StrictIn):
+    prompt: str = Field(min_length=1, description=f"at most {MAX_PROMPT} bytes of UTF-8")
+    timeout_s: int | None = Field(
+        None,
+        ge=1,
+        le=settings.HANGAR_RUN_MAX_TIMEOUT_S,
+        description="default 3600 (at most HANGAR_RUN_MAX_TIMEOUT_S)",
+    )
 
 
 class RunOut(Schema):
@@ -143,8 +167,10 @@ class DeleteQuery(Schema):
     delete_volume: bool = Field(False, description="delete its workspace volume too (default: keep it)")
 
 
-class WaitIn(Schema):
-    wait: bool = Field(False, description="answer once the change is done (at most HANGAR_CREATE_WAIT_S)")
+class WaitIn(StrictIn):
+    wait: bool = Field(
+        True, description="answer once the change is done (at most HANGAR_CREATE_WAIT_S), as for sandboxes"
+    )
 
 
 class LogQuery(Schema):
@@ -160,23 +186,23 @@ class LogEntryOut(Schema):
     created_at: datetime
 
 
-def _team(request: HttpRequest):
-    return request.auth.team  # type: ignore[attr-defined]
+def _team(request: AuthedRequest):
+    return request.auth.team
 
 
-def _user(request: HttpRequest):
-    return request.auth.user  # type: ignore[attr-defined]
+def _user(request: AuthedRequest):
+    return request.auth.user
 
 
-def _get(request: HttpRequest, harness_id: str) -> Harness:
+def _get(request: AuthedRequest, harness_id: str) -> Harness:
     return svc.harness_get(team=_team(request), harness_id=harness_id)
 
 
 # -- harnesses ----------------------------------------------------------------------------------
 
 
-@router.post("", response={201: HarnessOut})
-async def create_harness(request: HttpRequest, payload: HarnessIn):
+@router.post("", response={201: HarnessOut, **errors(404, 409, 429, 502, 503)})
+async def create_harness(request: AuthedRequest, payload: HarnessIn):
     """Create a harness: a workspace volume at `/workspace`, a sandbox over it, then (streamed
     to its log) the repository cloned there and the agent's CLI installed if the image lacks
     it. Answers at once with status `creating`; poll until `running`."""
@@ -197,48 +223,55 @@ async def create_harness(request: HttpRequest, payload: HarnessIn):
 
 
 @router.get("", response=list[HarnessOut])
-async def list_harnesses(request: HttpRequest):
+async def list_harnesses(request: AuthedRequest):
     """The team's harnesses by name."""
     return await blocking(lambda: [harness_out(h) for h in svc.harnesses_for_team(team=_team(request))])()
 
 
 @router.get("/{harness_id}", response=HarnessOut)
-async def get_harness(request: HttpRequest, harness_id: str):
+async def get_harness(request: AuthedRequest, harness_id: str):
     """One harness, by id or name."""
     return await blocking(lambda: harness_out(_get(request, harness_id)))()
 
 
-@router.post("/{harness_id}/pause", response=HarnessOut)
-async def pause_harness(request: HttpRequest, harness_id: str, payload: WaitIn | None = None):
+async def _answer(request: AuthedRequest, harness_id: str, h: Harness, statuses: tuple[str, ...],
+                  wait: bool) -> HarnessOut:  # fmt: skip
+    """The harness as the answer shows it; with ``wait``, once its sandbox's status is one of
+    ``statuses`` (or ``HANGAR_CREATE_WAIT_S`` has passed), waiting on the event loop, not on a
+    thread (as the sandboxes' pause and resume do)."""
+    sandbox_id = h.sandbox_id
+    if wait and sandbox_id:
+
+        def status() -> str:
+            row = Sandbox.objects.filter(id=sandbox_id).values_list("status", flat=True).first()
+            return row or Sandbox.Status.DELETED
+
+        await wait_for(
+            sandbox_channel(sandbox_id), status, lambda s: s in statuses, settings.HANGAR_CREATE_WAIT_S
+        )
+    return await blocking(lambda: harness_out(_get(request, harness_id)))()
+
+
+@router.post("/{harness_id}/pause", response={200: HarnessOut, **errors(409)})
+async def pause_harness(request: AuthedRequest, harness_id: str, payload: WaitIn | None = None):
     """Stop its processes and terminals; `/workspace` (the volume) and the rest of its files
-    stay. It costs only its disk while paused."""
-
-    def pause() -> HarnessOut:
-        h = svc.harness_pause(harness=_get(request, harness_id))
-        if payload is not None and payload.wait and h.sandbox is not None:
-            svc.sandbox_svc.sandbox_wait(sandbox=h.sandbox, timeout=settings.HANGAR_CREATE_WAIT_S,
-                                         statuses=[Sandbox.Status.PAUSED, Sandbox.Status.FAILED])  # fmt: skip
-        return harness_out(_get(request, harness_id))
-
-    return await blocking(pause)()
+    stay. It costs only its disk while paused. With `wait` (default) it answers once paused."""
+    h = await blocking(lambda: svc.harness_pause(harness=_get(request, harness_id)))()
+    done = (Sandbox.Status.PAUSED, Sandbox.Status.FAILED, Sandbox.Status.DELETED)
+    return await _answer(request, harness_id, h, done, wait=payload is None or payload.wait)
 
 
-@router.post("/{harness_id}/resume", response=HarnessOut)
-async def resume_harness(request: HttpRequest, harness_id: str, payload: WaitIn | None = None):
+@router.post("/{harness_id}/resume", response={200: HarnessOut, **errors(409, 429, 502, 503)})
+async def resume_harness(request: AuthedRequest, harness_id: str, payload: WaitIn | None = None):
     """Start it again over the same files, git state and agent config (a harness whose sandbox
-    failed gets a new one over the same volume)."""
-
-    def resume() -> HarnessOut:
-        h = svc.harness_resume(harness=_get(request, harness_id), user=_user(request))
-        if payload is not None and payload.wait and h.sandbox is not None:
-            svc.sandbox_svc.sandbox_wait(sandbox=h.sandbox, timeout=settings.HANGAR_CREATE_WAIT_S)
-        return harness_out(_get(request, harness_id))
-
-    return await blocking(resume)()
+    failed gets a new one over the same volume). With `wait` (default) it answers once its
+    sandbox runs again."""
+    h = await blocking(lambda: svc.harness_resume(harness=_get(request, harness_id), user=_user(request)))()
+    return await _answer(request, harness_id, h, SETTLED, wait=payload is None or payload.wait)
 
 
-@router.delete("/{harness_id}", response={204: None})
-async def delete_harness(request: HttpRequest, harness_id: str, q: Query[DeleteQuery]):
+@router.delete("/{harness_id}", response={204: None, **errors(409, 502)})
+async def delete_harness(request: AuthedRequest, harness_id: str, q: Query[DeleteQuery]):
     """Delete the harness and its sandbox. Its workspace volume is kept (it shows in
     /volumes) unless `delete_volume=true`."""
     await blocking(
@@ -248,7 +281,7 @@ async def delete_harness(request: HttpRequest, harness_id: str, q: Query[DeleteQ
 
 
 @router.get("/{harness_id}/logs", response=list[LogEntryOut])
-async def harness_logs(request: HttpRequest, harness_id: str, q: Query[LogQuery]):
+async def harness_logs(request: AuthedRequest, harness_id: str, q: Query[LogQuery]):
     """The harness's log: setup output (clone, install), runs starting and ending, pauses…
     The last `limit` entries, or those after `after` (poll with the last id you have)."""
 
@@ -260,8 +293,8 @@ async def harness_logs(request: HttpRequest, harness_id: str, q: Query[LogQuery]
     return await blocking(entries)()
 
 
-@router.post("/{harness_id}/runs", response={201: RunOut})
-async def create_run(request: HttpRequest, harness_id: str, payload: RunIn):
+@router.post("/{harness_id}/runs", response={201: RunOut, **errors(409)})
+async def create_run(request: AuthedRequest, harness_id: str, payload: RunIn):
     """Give the agent a task: it runs headless in `/workspace` with the prompt (its preset's
     form, e.g. `claude -p`; every agent also gets `$HANGAR_PROMPT` and the prompt on stdin).
     A paused harness is resumed first. Answers at once (`queued`); follow
@@ -276,7 +309,7 @@ async def create_run(request: HttpRequest, harness_id: str, payload: RunIn):
 
 
 @router.get("/{harness_id}/runs", response=list[RunOut])
-async def list_runs(request: HttpRequest, harness_id: str):
+async def list_runs(request: AuthedRequest, harness_id: str):
     """The harness's runs, newest first (the last 100)."""
 
     def rows() -> list[RunOut]:
@@ -290,33 +323,41 @@ async def list_runs(request: HttpRequest, harness_id: str):
 
 
 @runs_router.get("/{run_id}", response=RunOut)
-async def get_run(request: HttpRequest, run_id: str):
+async def get_run(request: AuthedRequest, run_id: str):
     """A run: its status, exit code, duration and the diff it left in `/workspace`."""
     return await blocking(lambda: run_out(run_svc.run_get(team=_team(request), run_id=run_id)))()
 
 
 class RunLogQuery(Schema):
-    offset: int = Field(0, ge=0, description="output offset to start from")
+    offset: int = Field(0, ge=0, le=MAX_OFFSET, description="output offset to start from")
     follow: bool = Field(True, description="until the run's process exits")
 
 
-@runs_router.get("/{run_id}/logs")
-async def run_logs(request: HttpRequest, run_id: str, q: Query[RunLogQuery]):
+@runs_router.get(
+    "/{run_id}/logs",
+    response={200: None},
+    openapi_extra={
+        "responses": {
+            200: {"description": "NDJSON events", "content": {"application/x-ndjson": NDJSON_CONTENT}}
+        }
+    },
+)
+async def run_logs(request: AuthedRequest, run_id: str, q: Query[RunLogQuery]):
     """The agent's output as NDJSON (`{"type": "stdout"|"stderr", "data"}` lines, then
     `{"type": "exit", …}`), live while it runs. A queued run is waited for (until it starts
-    or ends); the last line is `{"type": "run", …}` with its final record."""
+    or ends); the last line is `{"type": "run", …}` with its final record (or, if the stream
+    fails on the way, `{"type": "error", "message"}`)."""
+    # Looked up before the answer starts: an unknown run is a 404, not a 200 cut short.
+    first = await blocking(run_svc.run_get)(team=_team(request), run_id=run_id)
 
     async def body():
-        run = await blocking(run_svc.run_get)(team=_team(request), run_id=run_id)
+        run = first
         while run.status == Run.Status.QUEUED and q.follow:
             await asyncio.sleep(0.5)
             run = await blocking(run_svc.run_get)(team=_team(request), run_id=run_id)
         if run.exec_id is not None:
-            node = await blocking(lambda: run.exec.sandbox.node.name if run.exec.sandbox.node else "")()
-            target = proc_svc.FollowTarget(
-                node_name=node, key=streams.exec_key(run.exec_id), row_id=run.exec_id
-            )
-            follow = proc_svc.ProcessFollow(target, offset=q.offset, follow=q.follow)
+            process = await blocking(lambda: proc_svc.ProcessHandle.of_exec(run.exec.sandbox, run.exec_id))()
+            follow = process.follow(offset=q.offset, follow=q.follow)
             async for line in ndjson_events(follow):
                 yield line
             # The bridge has seen the exit; the run's record follows within moments.
@@ -329,25 +370,25 @@ async def run_logs(request: HttpRequest, run_id: str, q: Query[RunLogQuery]):
 
         yield (json.dumps({"type": "run", **run_out(run).dict()}, default=str) + "\n").encode()
 
-    return ndjson_response(body())
+    return await ndjson_response(while_authorised(body(), request.auth))
 
 
-@runs_router.post("/{run_id}/cancel", response=RunOut)
-async def cancel_run(request: HttpRequest, run_id: str):
+@runs_router.post("/{run_id}/cancel", response={200: RunOut, **errors(409)})
+async def cancel_run(request: AuthedRequest, run_id: str):
     """Cancel a queued or running run: the agent's process is killed, the run ends as
     `cancelled` (with the diff of what it had done)."""
-    run, target = await blocking(
+    run, process = await blocking(
         lambda: run_svc.run_cancel(run=run_svc.run_get(team=_team(request), run_id=run_id))
     )()
-    if target is not None:
-        await proc_svc.process_send(node_name=target[0], key=target[1], kind=streams.KILL)
+    if process is not None:
+        await process.kill()
     return await blocking(lambda: run_out(run_svc.run_get(team=_team(request), run_id=run_id)))()
 
 
 # -- ssh keys -----------------------------------------------------------------------------------
 
 
-class SshKeyIn(Schema):
+class SshKeyIn(StrictIn):
     name: str = Field("", description="default: the key's comment")
     public_key: str = Field(description="one line in OpenSSH format (the .pub file)")
 
@@ -368,15 +409,15 @@ def _key_out(k: Any) -> SshKeyOut:
 
 
 @keys_router.get("", response=list[SshKeyOut])
-async def list_keys(request: HttpRequest):
+async def list_keys(request: AuthedRequest):
     """Your SSH public keys (the token's user's): they open your teams' harnesses over SSH."""
     return await blocking(
         lambda: [_key_out(k) for k in key_svc.ssh_keys_for_user(user=_user(request)).select_related("team")]
     )()
 
 
-@keys_router.post("", response={201: SshKeyOut})
-async def add_key(request: HttpRequest, payload: SshKeyIn):
+@keys_router.post("", response={201: SshKeyOut, **errors(409)})
+async def add_key(request: AuthedRequest, payload: SshKeyIn):
     """Register a public key for yourself; then `ssh -p <port> <harness>@<host>`. A key
     registered with a token opens only the harnesses of the token's team (keys added on the
     profile page open all of your teams')."""
@@ -386,7 +427,7 @@ async def add_key(request: HttpRequest, payload: SshKeyIn):
 
 
 @keys_router.delete("/{key_id}", response={204: None})
-async def delete_key(request: HttpRequest, key_id: str):
+async def delete_key(request: AuthedRequest, key_id: str):
     """Remove one of your keys (by id or name); SSH with it is refused from then on."""
     await blocking(lambda: key_svc.ssh_key_delete(user=_user(request), key_id=key_id))()
     return 204, None

@@ -10,6 +10,9 @@ from pydantic import Field
 from runtime.models import Image, ImageJob
 from runtime.services import images as image_svc
 
+from .auth import AuthedRequest
+from .schemas import StrictIn, errors
+
 router = Router(tags=["images"])
 
 
@@ -40,15 +43,19 @@ def list_images(request: HttpRequest):
     ]
 
 
-class BuildIn(Schema):
+class BuildIn(StrictIn):
     kind: Literal["busybox", "base"]
 
 
-class PullIn(Schema):
-    ref: str = Field(description="registry reference, e.g. registry.example.com/team/app:1.2")
-    name: str = Field("", description="the image's name in Hangar (default: the reference)")
+class PullIn(StrictIn):
+    ref: str = Field(
+        min_length=1, max_length=300, description="registry reference, e.g. registry.example.com/team/app:1.2"
+    )
+    name: str = Field("", max_length=128, description="the image's name in Hangar (default: the reference)")
     insecure: bool = Field(False, description="plain HTTP or an unverified certificate")
-    node: str | None = Field(None, description="the node to pull on (default: the API's own)")
+    node: str | None = Field(
+        None, min_length=1, max_length=100, description="the node to pull on (default: the API's own)"
+    )
 
 
 class ImageJobOut(Schema):
@@ -75,19 +82,19 @@ class ImageJobOut(Schema):
 
 
 @router.post("/build", response={202: ImageJobOut})
-def build_image(request: HttpRequest, payload: BuildIn):
+def build_image(request: AuthedRequest, payload: BuildIn):
     """Build busybox (seconds) or base (minutes) on this node; follow it at /images/jobs/{id}.
     Staff users only: images are shared by every team."""
-    job = image_svc.image_job_start(kind=ImageJob.Kind.BUILD, ref=payload.kind, user=request.auth.user)  # type: ignore[attr-defined]
+    job = image_svc.image_job_start(kind=ImageJob.Kind.BUILD, ref=payload.kind, user=request.auth.user)
     return 202, ImageJobOut.of(job)
 
 
-@router.post("/pull", response={202: ImageJobOut})
-def pull_image(request: HttpRequest, payload: PullIn):
+@router.post("/pull", response={202: ImageJobOut, **errors(404)})
+def pull_image(request: AuthedRequest, payload: PullIn):
     """Pull an image from a registry onto a node; follow it at /images/jobs/{id}. Staff only."""
     job = image_svc.image_job_start(
         kind=ImageJob.Kind.PULL, ref=payload.ref, name=payload.name, tls_verify=not payload.insecure,
-        node_name=payload.node, user=request.auth.user,  # type: ignore[attr-defined]
+        node_name=payload.node, user=request.auth.user,
     )  # fmt: skip
     return 202, ImageJobOut.of(job)
 

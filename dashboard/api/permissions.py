@@ -135,22 +135,24 @@ RULES: dict[tuple[str, str], Rule] = {
 _CONVERTER = re.compile(r"<(?:\w+:)?(\w+)>")
 
 
-def route_key(request: Any) -> tuple[str, str] | None:
-    """``("POST", "/sandboxes/{sandbox_id}/exec")`` for a request to this API."""
+def route_key(request: Any, prefix: str = "api/v1") -> tuple[str, str] | None:
+    """``("POST", "/sandboxes/{sandbox_id}/exec")`` for a request to the API mounted at ``prefix``."""
     match = getattr(request, "resolver_match", None)
     if match is None or not match.route:
         return None
     route = _CONVERTER.sub(r"{\1}", match.route)
-    prefix = "api/v1"
     if not route.startswith(prefix):
         return None
     return request.method, route[len(prefix) :] or "/"
 
 
-def check(request: Any, token: Any) -> None:
-    """Raise :class:`Forbidden` unless ``token`` may make this request."""
-    key = route_key(request)
-    rule = RULES.get(key) if key else None
+def check(
+    request: Any, token: Any, rules: dict[tuple[str, str], Rule] = RULES, prefix: str = "api/v1"
+) -> None:
+    """Raise :class:`Forbidden` unless ``token`` may make this request (to the API mounted at
+    ``prefix``, whose rules are ``rules``: the E2B API has its own, ``dashboard.e2b.auth``)."""
+    key = route_key(request, prefix)
+    rule = rules.get(key) if key else None
     if rule is None:
         raise Forbidden(f"{key[0] if key else request.method} {key[1] if key else request.path} has no "
                         "permission rule; refusing")  # fmt: skip
@@ -166,4 +168,11 @@ def check(request: Any, token: Any) -> None:
         )  # fmt: skip
 
 
-__all__ = ["RULES", "ROLES", "Rule", "check", "route_key"]
+def sees_pseudo_fs(role: str) -> bool:
+    """Whether a caller of ``role`` may read a sandbox's /proc and /sys through its file API:
+    those who may exec could ``cat`` them anyway; below that, what /proc shows (every process's
+    environment, the sandbox's secrets included) is out of reach."""
+    return role_at_least(role, RULES[("POST", f"{SB}/exec")].role)
+
+
+__all__ = ["RULES", "ROLES", "Rule", "check", "route_key", "sees_pseudo_fs"]

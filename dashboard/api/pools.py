@@ -6,26 +6,49 @@ at once; the pool refills in the background. A create with a network claims from
 from __future__ import annotations
 
 from datetime import datetime
+from typing import Annotated
 
-from django.http import HttpRequest
+from django.conf import settings
 from ninja import Router, Schema
 from pydantic import Field
 
 from runtime.models import Pool
 from runtime.services import pools as pool_svc
 
+from .auth import AuthedRequest
 from .blocking import blocking
+from .schemas import StrictIn, errors
 
 router = Router(tags=["pools"])
 
 
-class PoolIn(Schema):
-    image: str = Field(min_length=1, max_length=300)
-    runtime: str = "gvisor"
-    cpu: float = 1.0
-    memory_mb: int = 512
-    disk_mb: int | None = Field(None, description="members' disk size; default HANGAR_SANDBOX_DISK_MB")
-    size: int = Field(description="how many started, unclaimed sandboxes to keep")
+PoolSize = Annotated[
+    int,
+    Field(
+        ge=1, le=settings.HANGAR_POOL_MAX_SIZE, description="how many started, unclaimed sandboxes to keep"
+    ),
+]
+
+
+class PoolIn(StrictIn):
+    image: str = Field(
+        min_length=1, max_length=300, examples=["busybox"], description="an image of GET /images"
+    )
+    runtime: str = Field(
+        settings.HANGAR_DEFAULT_RUNTIME, min_length=1, max_length=32,
+        description="a launcher this install has (422 lists them); default HANGAR_DEFAULT_RUNTIME",
+    )  # fmt: skip
+    cpu: float = Field(1.0, ge=0.1, le=settings.HANGAR_SANDBOX_MAX_CPU)
+    memory_mb: int = Field(
+        512, ge=settings.HANGAR_SANDBOX_MIN_MEMORY_MB, le=settings.HANGAR_SANDBOX_MAX_MEMORY_MB
+    )
+    disk_mb: int | None = Field(
+        None,
+        ge=settings.HANGAR_SANDBOX_MIN_DISK_MB,
+        le=settings.HANGAR_SANDBOX_MAX_DISK_MB,
+        description="members' disk size; default HANGAR_SANDBOX_DISK_MB",
+    )
+    size: PoolSize
     network: bool = Field(
         default=False,
         description="members start with a network of their own (egress none until claimed); creates that "
@@ -33,8 +56,8 @@ class PoolIn(Schema):
     )
 
 
-class PoolResizeIn(Schema):
-    size: int
+class PoolResizeIn(StrictIn):
+    size: PoolSize
 
 
 class PoolOut(Schema):
@@ -61,15 +84,15 @@ def _out(pool: Pool) -> PoolOut:
     )  # fmt: skip
 
 
-def _team(request: HttpRequest):
-    return request.auth.team  # type: ignore[attr-defined]
+def _team(request: AuthedRequest):
+    return request.auth.team
 
 
-@router.post("", response={201: PoolOut})
-async def create_pool(request: HttpRequest, payload: PoolIn):
+@router.post("", response={201: PoolOut, **errors(409)})
+async def create_pool(request: AuthedRequest, payload: PoolIn):
     def create() -> PoolOut:
         pool = pool_svc.pool_create(
-            team=_team(request), user=request.auth.user, image=payload.image, runtime=payload.runtime,  # type: ignore[attr-defined]
+            team=_team(request), user=request.auth.user, image=payload.image, runtime=payload.runtime,
             cpu=payload.cpu, memory_mb=payload.memory_mb, size=payload.size, network=payload.network,
             disk_mb=payload.disk_mb,
         )  # fmt: skip
@@ -79,17 +102,17 @@ async def create_pool(request: HttpRequest, payload: PoolIn):
 
 
 @router.get("", response=list[PoolOut])
-async def list_pools(request: HttpRequest):
+async def list_pools(request: AuthedRequest):
     return await blocking(lambda: [_out(p) for p in pool_svc.pools_for_team(team=_team(request))])()
 
 
 @router.get("/{pool_id}", response=PoolOut)
-async def get_pool(request: HttpRequest, pool_id: str):
+async def get_pool(request: AuthedRequest, pool_id: str):
     return await blocking(lambda: _out(pool_svc.pool_get(team=_team(request), pool_id=pool_id)))()
 
 
 @router.patch("/{pool_id}", response=PoolOut)
-async def resize_pool(request: HttpRequest, pool_id: str, payload: PoolResizeIn):
+async def resize_pool(request: AuthedRequest, pool_id: str, payload: PoolResizeIn):
     def resize() -> PoolOut:
         pool = pool_svc.pool_resize(
             pool=pool_svc.pool_get(team=_team(request), pool_id=pool_id), size=payload.size
@@ -100,7 +123,7 @@ async def resize_pool(request: HttpRequest, pool_id: str, payload: PoolResizeIn)
 
 
 @router.delete("/{pool_id}", response={204: None})
-async def delete_pool(request: HttpRequest, pool_id: str):
+async def delete_pool(request: AuthedRequest, pool_id: str):
     """Delete the pool and its unclaimed members (claimed sandboxes stay)."""
     await blocking(
         lambda: pool_svc.pool_delete(pool=pool_svc.pool_get(team=_team(request), pool_id=pool_id))

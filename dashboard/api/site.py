@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from django.http import HttpRequest
 from ninja import Body, Router
+from pydantic import StrictFloat, StrictInt
 
 from runtime.services import quotas as quota_svc
 from runtime.services import usage as usage_svc
@@ -20,7 +21,7 @@ async def get_site_quotas(request: HttpRequest):
 
 
 @router.put("/quotas", response=dict[str, float])
-async def set_site_quotas(request: HttpRequest, payload: Body[dict[str, float | int | None]]):
+async def set_site_quotas(request: HttpRequest, payload: Body[dict[str, StrictInt | StrictFloat | None]]):
     """`{"sandboxes": 20, …}` (null: back to the setting's value)."""
     return await blocking(lambda: quota_svc.site_defaults_set(values=payload))()
 
@@ -31,6 +32,6 @@ async def get_site_rates(request: HttpRequest):
 
 
 @router.put("/rates", response=dict[str, float])
-async def set_site_rates(request: HttpRequest, payload: Body[dict[str, float | None]]):
+async def set_site_rates(request: HttpRequest, payload: Body[dict[str, StrictFloat | None]]):
     """`{"vcpu_hour": 0.05, "memory_gb_hour": 0.01, "storage_gb_hour": 0.0001, "gpu_hour": 2}`."""
     return await blocking(lambda: usage_svc.rates_set(team=None, values=payload))()

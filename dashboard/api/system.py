@@ -2,7 +2,7 @@ from __future__ import annotations
 
 from django.db import connection
 from django.http import HttpRequest
-from ninja import Router, Schema
+from ninja import Field, Router, Schema
 
 from runtime.notify import redis_client
 from runtime.services.nodes import nodes_with_usage
@@ -14,6 +14,10 @@ class NodeOut(Schema):
     name: str
     status: str
     runtimes: list[str]
+    launchers: dict[str, dict[str, bool | int | None]] = Field(
+        description="each runtime it runs, with what its sandboxes can have (network, checkpoint, kvm, gpu) "
+        "and the most bytes a command may take (max_command_bytes)"
+    )
     cpu_capacity: float
     memory_mb_capacity: int
     sandboxes: int
@@ -42,6 +46,7 @@ def health(request: HttpRequest):
                 name=n.name,
                 status=n.status,
                 runtimes=n.runtimes,
+                launchers=n.launchers or {},
                 cpu_capacity=n.cpu_capacity,
                 memory_mb_capacity=n.memory_mb_capacity,
                 sandboxes=n.sandbox_count or 0,

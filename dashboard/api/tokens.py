@@ -3,25 +3,31 @@
 from __future__ import annotations
 
 from datetime import datetime
+from typing import Literal
 
-from django.http import HttpRequest
 from ninja import Field, Router, Schema
 
 from runtime.models import ApiToken
 from runtime.services import auth as auth_svc
 
+from .auth import AuthedRequest
 from .blocking import blocking
+from .schemas import StrictIn
 
 router = Router(tags=["tokens"])
 
 
-class TokenIn(Schema):
+class TokenIn(StrictIn):
     name: str = Field("", max_length=100)
-    role: str | None = Field(
-        None, description="viewer, member, admin or owner; at most yours (default: yours)"
+    role: Literal[tuple(auth_svc.ROLES)] | None = Field(  # type: ignore[valid-type]
+        None, description="at most this token's (default: this token's)"
     )
-    scopes: list[str] = Field([], description="e.g. sandboxes:read, sandboxes:write; none: all of them")
-    expires_in_s: int | None = Field(None, description="the token stops working this long from now")
+    scopes: list[Literal[tuple(auth_svc.SCOPES)]] = Field(  # type: ignore[valid-type]
+        [], description="none: all of them; within this token's"
+    )
+    expires_in_s: int | None = Field(
+        None, ge=1, le=10 * 365 * 86400, description="the token stops working this long from now"
+    )
 
 
 class TokenOut(Schema):
@@ -47,20 +53,21 @@ class TokenCreatedOut(TokenOut):
 
 
 @router.get("", response=list[TokenOut])
-async def list_tokens(request: HttpRequest):
+async def list_tokens(request: AuthedRequest):
     """Your tokens in this team, newest first (an admin sees every token of the team)."""
-    return await blocking(lambda: list(auth_svc.tokens_visible(caller=request.auth)))()  # type: ignore[arg-type]
+    return await blocking(lambda: list(auth_svc.tokens_visible(caller=request.auth)))()
 
 
 @router.post("", response={201: TokenCreatedOut})
-async def create_token(request: HttpRequest, payload: TokenIn):
-    """A new token for you in this team, with a role no higher than yours."""
+async def create_token(request: AuthedRequest, payload: TokenIn):
+    """A new token for you in this team, no stronger than the token that asks: its role, scopes
+    and expiry (taken by default) at most this token's; more is a 403."""
 
     def create() -> dict:
         caller = request.auth
         issued = auth_svc.token_create(
-            user=caller.user, team=caller.team, name=payload.name, expires_in_s=payload.expires_in_s,  # type: ignore[attr-defined]
-            role=payload.role or caller.effective_role, scopes=payload.scopes,  # type: ignore[attr-defined]
+            user=caller.user, team=caller.team, name=payload.name, expires_in_s=payload.expires_in_s,
+            role=payload.role or caller.effective_role, scopes=payload.scopes, caller=caller,
         )  # fmt: skip
         t = issued.token
         return {
@@ -73,7 +80,7 @@ async def create_token(request: HttpRequest, payload: TokenIn):
 
 
 @router.delete("/{token_id}", response={204: None})
-async def revoke_token(request: HttpRequest, token_id: int):
+async def revoke_token(request: AuthedRequest, token_id: int):
     """Revoke one of your tokens (an admin: any of the team's). It stops working at once."""
-    await blocking(lambda: auth_svc.token_revoke(caller=request.auth, token_id=token_id))()  # type: ignore[arg-type]
+    await blocking(lambda: auth_svc.token_revoke(caller=request.auth, token_id=token_id))()
     return 204, None

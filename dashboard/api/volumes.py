@@ -5,22 +5,35 @@ from __future__ import annotations
 
 from datetime import datetime
 
-from django.http import HttpRequest
+from django.conf import settings
 from ninja import Router, Schema
 from pydantic import Field
 
 from runtime.models import Volume
 from runtime.services import volumes as volume_svc
 
+from .auth import AuthedRequest
 from .blocking import blocking
+from .schemas import StrictIn, errors
 
 router = Router(tags=["volumes"])
 
 
-class VolumeIn(Schema):
-    name: str = Field(description="unique in the team: 1-64 of a-z 0-9 _ . -")
-    size_mb: int = Field(description="the filesystem's size; a write past it fails with ENOSPC")
-    node: str | None = Field(None, description="the node to keep it on (default: the API's own)")
+class VolumeIn(StrictIn):
+    name: str = Field(
+        min_length=1,
+        max_length=64,
+        examples=["data"],
+        description="unique in the team: 1-64 of a-z 0-9 _ . -",
+    )
+    size_mb: int = Field(
+        ge=volume_svc.MIN_MB,
+        le=settings.HANGAR_VOLUME_MAX_MB,
+        description="the filesystem's size; a write past it fails with ENOSPC",
+    )
+    node: str | None = Field(
+        None, min_length=1, max_length=100, description="the node to keep it on (default: the API's own)"
+    )
 
 
 class VolumeOut(Schema):
@@ -41,18 +54,18 @@ def _out(volume: Volume, usage: dict[str, int] | None = None) -> VolumeOut:
     )  # fmt: skip
 
 
-def _team(request: HttpRequest):
-    return request.auth.team  # type: ignore[attr-defined]
+def _team(request: AuthedRequest):
+    return request.auth.team
 
 
-@router.post("", response={201: VolumeOut})
-async def create_volume(request: HttpRequest, payload: VolumeIn):
+@router.post("", response={201: VolumeOut, **errors(404, 409, 429, 502)})
+async def create_volume(request: AuthedRequest, payload: VolumeIn):
     """Make a volume: an ext4 filesystem of `size_mb` on a node, empty, owned by root."""
 
     def create() -> VolumeOut:
         volume = volume_svc.volume_create(
             team=_team(request), name=payload.name, size_mb=payload.size_mb, node_name=payload.node,
-            user=request.auth.user,  # type: ignore[attr-defined]
+            user=request.auth.user,
         )  # fmt: skip
         return _out(volume)
 
@@ -60,13 +73,13 @@ async def create_volume(request: HttpRequest, payload: VolumeIn):
 
 
 @router.get("", response=list[VolumeOut])
-async def list_volumes(request: HttpRequest):
+async def list_volumes(request: AuthedRequest):
     """The team's volumes by name."""
     return await blocking(lambda: [_out(v) for v in volume_svc.volumes_for_team(team=_team(request))])()
 
 
 @router.get("/{volume}", response=VolumeOut)
-async def get_volume(request: HttpRequest, volume: str):
+async def get_volume(request: AuthedRequest, volume: str):
     """One volume, by id or name, with the space in use."""
 
     def get() -> VolumeOut:
@@ -76,8 +89,8 @@ async def get_volume(request: HttpRequest, volume: str):
     return await blocking(get)()
 
 
-@router.delete("/{volume}", response={204: None})
-async def delete_volume(request: HttpRequest, volume: str):
+@router.delete("/{volume}", response={204: None, **errors(409, 502)})
+async def delete_volume(request: AuthedRequest, volume: str):
     """Delete a volume and its data. Refused (409, with `sandboxes`) while a sandbox that is not
     deleted holds it."""
 

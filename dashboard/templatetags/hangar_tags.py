@@ -8,21 +8,33 @@ from django import template
 
 from runtime.models import Sandbox
 from runtime.services.previews import Preview, previews_of
-from runtime.services.sandboxes import sandboxes_stats_cached
+from runtime.services.sandbox_io import sandboxes_stats_cached
 
 register = template.Library()
 
 
 @register.filter
-def previews(sandbox) -> list[Preview]:  # type: ignore[no-untyped-def]
+def previews(sandbox) -> list[Preview]:
     """The sandbox's preview URLs (private ones with a fresh signed token)."""
     return previews_of(sandbox)
 
 
 @register.filter
-def usage_sample(sandbox) -> dict[str, Any]:  # type: ignore[no-untyped-def]
+def usage_sample(sandbox) -> dict[str, Any]:
     """The running sandbox's last usage sample (memory and disk used; see the stats sampler),
     or {} when it is not running or has none yet."""
     if sandbox.status != Sandbox.Status.RUNNING:
         return {}
     return sandboxes_stats_cached(ids=[sandbox.id]).get(sandbox.id) or {}
+
+
+@register.filter
+def runtimes_said(launchers: dict[str, dict[str, bool]] | None) -> str:
+    """A node's runtimes, each with what its sandboxes cannot have: "gvisor, other (no network)"."""
+    from dashboard.pages.forms import LACKS
+
+    out = []
+    for name, caps in sorted((launchers or {}).items()):
+        lacks = [words for key, words in LACKS.items() if not caps.get(key)]
+        out.append(f"{name} ({', '.join(lacks)})" if lacks else name)
+    return ", ".join(out)

@@ -2,14 +2,16 @@
 
 Shaped like jupyter_client's kernel provisioners: a small typed surface, a persisted
 ``handle`` (a plain dict) so a restarted node re-adopts the sandboxes it already runs, and
-registration by name through the ``hangar.launchers`` entry point group. Nothing here imports
-Django: a node can run and test launchers with no database.
+registration by name (see registry.py). A launcher says what its sandboxes can have
+(:class:`Capabilities`) and whether it can run on this node at all (:meth:`Launcher.probe`).
+Nothing here imports Django: a node can run and test launchers with no database.
 """
 
 from __future__ import annotations
 
 import abc
-from collections.abc import Callable, Iterable, Iterator
+import socket
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -31,6 +33,10 @@ class SandboxNotRunning(LauncherError):
 
 class SandboxGone(LauncherError):
     """The node has no trace of the sandbox."""
+
+
+# FileOpError's errno_name for a path refused under ``no_pseudo_fs`` (on /proc or /sys).
+PSEUDO_FS_REFUSED = "EPSEUDOFS"
 
 
 class FileOpError(LauncherError):
@@ -82,8 +88,8 @@ class ExecRequest:
 @dataclass
 class ExecResult:
     exit_code: int
-    stdout: bytes
-    stderr: bytes
+    stdout: bytes | bytearray  # the buffer the output was read into (a blocking exec's may be large)
+    stderr: bytes | bytearray
     duration_ms: float
     timed_out: bool = False
     signal: int = 0
@@ -153,7 +159,9 @@ class FileEntry:
 
 @dataclass(frozen=True)
 class RuntimeState:
-    """What the node sees for one sandbox: ``running``, ``paused``, ``stopped`` or ``missing``."""
+    """What the node sees for one sandbox: ``running``, ``paused``, ``stopped`` or ``missing``;
+    or ``unknown`` when the runtime could not tell this time (a reconciliation leaves such a
+    sandbox as it is, and a failed call on it does not fail it)."""
 
     status: str
     reason: str | None = None
@@ -172,14 +180,75 @@ class Stats:
 Handle = dict[str, Any]
 
 
+@dataclass(frozen=True)
+class Capabilities:
+    """What sandboxes of a launcher can have on this node. The node advertises them in its
+    heartbeat (:meth:`as_dict`, a JSON object on its row); the control plane reads them there,
+    never from a launcher class."""
+
+    network: bool  # an egress policy other than none (set_network while running)
+    checkpoint: bool  # pause keeping processes and memory (checkpoint, restore)
+    kvm: bool = False  # hardware virtualisation under the sandbox
+    gpu: bool = False  # a GPU passed through
+    # The most a command's argv, environment and cwd may come to, counted by command_bytes()
+    # (None: no limit of the runtime's own). An agent-based launcher's is the agent's frame.
+    max_command_bytes: int | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"network": self.network, "checkpoint": self.checkpoint, "kvm": self.kvm, "gpu": self.gpu,
+                "max_command_bytes": self.max_command_bytes}  # fmt: skip
+
+
+# Room in a command's request for what is not the command itself (a timeout, a terminal's
+# size, flags: a few dozen bytes).
+COMMAND_ROOM = 128
+
+
+def command_bytes(argv: Iterable[str], env: Mapping[str, str] | None, cwd: str | None) -> int:
+    """What a command's argv, environment and cwd come to, as every launcher counts them against
+    its ``max_command_bytes``: each as ``key=value`` and a NUL (exactly what the guest agent's
+    exec request takes, see agent/protocol.py), and :data:`COMMAND_ROOM` for the rest."""
+
+    def field(key: str, value: str) -> int:
+        return len(key) + len(value.encode("utf-8", "surrogatepass")) + 2  # key=value\0
+
+    size = sum(field("arg", a) for a in argv) + COMMAND_ROOM
+    size += sum(field("env", f"{name}={value}") for name, value in (env or {}).items())
+    return size + (field("cwd", cwd) if cwd else 0)
+
+
 class Launcher(abc.ABC):
-    """One isolation runtime on one node. Every method is safe to call twice."""
+    """One isolation runtime on one node. Every method is safe to call twice.
+
+    A launcher is constructed with keyword arguments: the node-wide ones every launcher gets
+    (:data:`NODE_PARAMETERS`) and its own settings block (``HANGAR_LAUNCHER_CONFIG[name]``).
+    Every method that acts on a sandbox takes its ``handle``: what :meth:`create` or
+    :meth:`restore` returned (persisted by the caller), or :meth:`handle_for` its id when only
+    the id is known (reconciliation, a restarted node). Ids name sandboxes to the outside;
+    nothing outside the launcher looks inside a handle."""
 
     name: str = ""
 
+    @classmethod
+    def probe(cls, config: Mapping[str, Any]) -> str | None:
+        """Whether this launcher can run on this node with ``config`` (the keyword arguments it
+        would be constructed with): None if it can, else why not, in words for the node's log.
+        Cheap: the node calls it once when it starts."""
+        return None
+
+    @abc.abstractmethod
+    def capabilities(self) -> Capabilities:
+        """What sandboxes of this launcher can have on this node."""
+
+    @abc.abstractmethod
+    def handle_for(self, sandbox_id: str) -> Handle:
+        """The handle this node keeps for ``sandbox_id`` (or a minimal one naming it, when it
+        keeps none): for acting on a sandbox known by its id alone."""
+
     @abc.abstractmethod
     def create(self, spec: SandboxSpec) -> Handle:
-        """Create and start the sandbox; return once its agent answers. Returns the handle to persist."""
+        """Create and start the sandbox; return once its agent answers. Returns the handle to
+        persist. A spec asking for what :meth:`capabilities` lacks (a network) raises."""
 
     @abc.abstractmethod
     def exec(
@@ -193,36 +262,45 @@ class Launcher(abc.ABC):
         :class:`FileOpError` when it cannot start (no such binary or cwd)."""
 
     @abc.abstractmethod
-    def read_file(self, handle: Handle, path: str) -> tuple[FileEntry, Iterator[bytes]]:
-        """Stream a file's bytes, resolved inside the sandbox."""
+    def read_file(
+        self, handle: Handle, path: str, *, no_pseudo_fs: bool = False
+    ) -> tuple[FileEntry, Iterator[bytes]]:
+        """Stream a file's bytes, resolved inside the sandbox. ``no_pseudo_fs``: a path on
+        /proc or /sys, or through them (symlinks included), raises :class:`FileOpError`
+        ``EPSEUDOFS``. The entry's size is the sandbox's word: the bytes may differ."""
 
     @abc.abstractmethod
-    def write_file(self, handle: Handle, path: str, data: bytes | Iterable[bytes], mode: int = 0o644) -> int:
+    def write_file(
+        self,
+        handle: Handle,
+        path: str,
+        data: bytes | Iterable[bytes | bytearray | memoryview],
+        mode: int = 0o644,
+    ) -> int:
         """Write (atomically replace) a file inside the sandbox; returns bytes written."""
 
     @abc.abstractmethod
-    def list_files(self, handle: Handle, path: str) -> list[FileEntry]:
-        """List a directory inside the sandbox (symlinks are reported, never followed)."""
+    def list_files(self, handle: Handle, path: str, *, no_pseudo_fs: bool = False) -> list[FileEntry]:
+        """List a directory inside the sandbox (symlinks are reported, never followed);
+        ``no_pseudo_fs`` as for :meth:`read_file`."""
 
     @abc.abstractmethod
-    def stop(self, handle: Handle, timeout: float = 5.0) -> None:
-        """Stop every process of the sandbox (SIGTERM, then SIGKILL after ``timeout``)."""
+    def open_tunnel(self, handle: Handle, port: int) -> socket.socket:
+        """A connected byte stream to TCP ``port`` on the sandbox's own loopback (a preview
+        URL's server). Raises :class:`FileOpError` ``ECONNREFUSED`` when nothing listens there."""
 
     @abc.abstractmethod
-    def suspend(self, sandbox_id: str, keep_files: bool = True) -> None:
+    def suspend(self, handle: Handle, keep_files: bool = True) -> None:
         """End every process of the sandbox and free its CPU and memory, keeping what it wrote
         to its root filesystem (unless ``keep_files`` is false) so that :meth:`create` with the
         same id starts it again over the same files. Idempotent."""
 
-    #: Whether :meth:`checkpoint` and :meth:`restore` work with this runtime.
-    can_checkpoint = False
-
-    def checkpoint(self, sandbox_id: str) -> None:
+    def checkpoint(self, handle: Handle) -> None:
         """Save the running sandbox whole (processes, memory, open files) to the node's disk
         and free its CPU and memory; :meth:`restore` continues it. Idempotent: a repeated
         call after a completed checkpoint only finishes releasing the runtime. If it raises,
         the sandbox may be gone (the runtime stops it either way): fall back to
-        :meth:`suspend`, which keeps its files."""
+        :meth:`suspend`, which keeps its files. Only where ``capabilities().checkpoint``."""
         raise LauncherError(f"the {self.name} runtime cannot checkpoint a sandbox")
 
     def restore(self, spec: SandboxSpec) -> Handle:
@@ -230,12 +308,9 @@ class Launcher(abc.ABC):
         discarded, and :meth:`create` starts the sandbox afresh over its kept files."""
         raise LauncherError(f"the {self.name} runtime cannot restore a sandbox")
 
-    #: Whether sandboxes of this runtime can have a network (an egress policy other than none).
-    can_network = False
-
-    def set_network(self, sandbox_id: str, policy: dict[str, Any]) -> None:
+    def set_network(self, handle: Handle, policy: dict[str, Any]) -> None:
         """Put a new egress policy in force for a running sandbox that has a network, at once
-        and atomically."""
+        and atomically. Only where ``capabilities().network``."""
         raise LauncherError(f"the {self.name} runtime gives sandboxes no network")
 
     def network_reconcile(self, live: dict[str, dict[str, Any]]) -> list[str]:
@@ -243,9 +318,19 @@ class Launcher(abc.ABC):
         pinned names of those that are; returns the ids cleaned up."""
         return []
 
+    def address_pool(self) -> str | None:
+        """The network (CIDR) its sandboxes take addresses from, or None when they have none:
+        the node's gateway (hangar.internal) takes connections from these addresses only."""
+        return None
+
     def prepare(self) -> None:
         """Make ahead of time what creates will need (a disk template, say); idempotent,
         called when the node starts."""
+        return None
+
+    def release_spares(self) -> None:
+        """Give back what :meth:`prepare` and creates keep ready ahead of time (spare disks):
+        for a node, or a test, that is going away."""
         return None
 
     @abc.abstractmethod
@@ -253,25 +338,20 @@ class Launcher(abc.ABC):
         """Remove everything the sandbox holds on the node: processes, mounts, cgroups, state."""
 
     @abc.abstractmethod
-    def state(self, handle: Handle) -> RuntimeState:
-        """What the runtime reports for this sandbox right now."""
-
-    @abc.abstractmethod
-    def list(self) -> list[str]:
-        """Ids of every sandbox this launcher holds resources for on this node (for reconciliation)."""
-
     def states(self) -> dict[str, RuntimeState]:
-        """State of every sandbox on the node at once (reconciliation); runtimes that can
-        answer in one call override this."""
-        return {sandbox_id: self.state(self._handle_for(sandbox_id)) for sandbox_id in self.list()}
-
-    def _handle_for(self, sandbox_id: str) -> Handle:
-        return {"id": sandbox_id}
-
-    @abc.abstractmethod
-    def destroy_id(self, sandbox_id: str) -> None:
-        """Destroy by id alone: reconciliation of resources that no row owns."""
+        """Every sandbox this launcher holds resources for on this node, with what the runtime
+        reports for it now (reconciliation)."""
 
     @abc.abstractmethod
     def stats(self, handle: Handle) -> Stats:
         """CPU and memory the sandbox uses now."""
+
+
+# What the node gives every launcher, whatever its kind (see runtime/node/local.py): where it keeps
+# its state, the node's id (in every host-global name), where the guest agent is compiled to,
+# the node's network settings, the default size and the spares of sandboxes' own disks, and a
+# CA bundle every sandbox trusts. A launcher takes what it uses and ignores the rest.
+NODE_PARAMETERS = (
+    "state_dir", "node_id", "agent_cache_dir", "network_pool", "network_exceptions", "network_nameservers",
+    "gateway_port", "disk_mb", "spare_disks", "ca_certs",
+)  # fmt: skip

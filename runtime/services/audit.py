@@ -169,15 +169,20 @@ def csv_cell(value: Any) -> Any:
     return value
 
 
-def as_csv(rows: QuerySet[AuditEvent]) -> Iterator[str]:
-    """The events as CSV, a line at a time (an export of a long log is streamed)."""
+CSV_PAGE = 1000  # events a page of the export reads at once
+
+
+def csv_page(rows: QuerySet[AuditEvent], *, before_id: int | None = None) -> tuple[str, int | None]:
+    """One page of the export: CSV text for up to ``CSV_PAGE`` events older than
+    ``before_id`` (the header first when None), and the id to go on from (None: the end).
+    Each page is a query of its own (keyset, by id), so an export of a long log holds one page
+    in memory at a time and no cursor between pages."""
+    page = list((rows.filter(id__lt=before_id) if before_id else rows)[:CSV_PAGE])
     buf = io.StringIO()
     writer = csv.writer(buf)
-    writer.writerow(COLUMNS)
-    yield buf.getvalue()
-    for e in rows.iterator(chunk_size=1000):
-        buf.seek(0)
-        buf.truncate()
+    if before_id is None:
+        writer.writerow(COLUMNS)
+    for e in page:
         writer.writerow([csv_cell(v) for v in (e.id, e.created_at.isoformat(), e.team_name, e.actor, e.via, e.token,
                                                e.session, e.ip, e.action, e.target, e.outcome, e.message, e.data)])  # fmt: skip
-        yield buf.getvalue()
+    return buf.getvalue(), (page[-1].id if len(page) == CSV_PAGE else None)

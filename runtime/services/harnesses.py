@@ -24,28 +24,34 @@ from datetime import timedelta
 from typing import Any
 
 from django.conf import settings
-from django.contrib.auth.models import AbstractBaseUser
+from django.contrib.auth.models import User
 from django.db import IntegrityError, transaction
 from django.db.models import Max, Q, QuerySet
 from django.utils import timezone
 
-from .. import presets
-from ..errors import Conflict, InvalidValue, NotFound
+from .. import enqueue, notify, presets
+from ..errors import Conflict, Forbidden, InvalidValue, NotFound
 from ..launchers.base import ExecRequest, LauncherError
-from ..models import Harness, HarnessLogEntry, Run, Sandbox, Team, Volume
-from ..node import launcher_for, local_node_name
+from ..models import Harness, HarnessLogEntry, Run, Sandbox, Secret, Team, Volume
+from ..node.local import local_node_name
+from ..streams import Masker
 from . import audit, quotas
 from . import auth as auth_svc
+from . import checks as checks_svc
+from . import sandbox_calls as calls_svc
 from . import sandboxes as sandbox_svc
 from . import secrets as secret_svc
 from . import volumes as volume_svc
+from .sandbox_access import sandbox_access
 
 log = logging.getLogger(__name__)
 S = Sandbox.Status
 NAME_RE = re.compile(r"[a-z0-9](?:[a-z0-9-]{0,61}[a-z0-9])?")
 BRANCH_RE = re.compile(r"[A-Za-z0-9._/-]{1,255}")
 REPO_RE = re.compile(r"(?:https?|git|ssh|file)://\S+|[A-Za-z0-9._-]+@[A-Za-z0-9.-]+:\S+")
-TOKEN_SCOPES = ["sandboxes:*", "volumes:read", "images:read"]
+# The harness's own token: the sandboxes that harness made (its own, and those it creates: see
+# auth.sandbox_reach), and its traces. Nothing else of the team's.
+TOKEN_SCOPES = ["sandboxes:write", "traces:write"]
 SETUP_TIMEOUT_S = 1800
 LOG_KEEP_ENTRIES = 5000
 
@@ -188,40 +194,10 @@ def _sandbox_env(h: Harness, image_path: str) -> dict[str, str]:
     return env
 
 
-def sealed_env(sandbox: Sandbox) -> dict[str, str]:
-    """The harness's own secret variables for its sandbox (decrypted for its node, never
-    stored in the clear): its API token, and the same as OTLP's authorization header."""
-    if not (sandbox.metadata or {}).get("harness"):
-        return {}
-    # The metadata is only a hint: the harness must be this team's and this its sandbox.
-    ct = (
-        Harness.objects.filter(
-            id=sandbox.metadata["harness"],
-            team_id=sandbox.team_id,
-            sandbox_id=sandbox.id,
-            deleted_at__isnull=True,
-        )
-        .values_list("api_token_ciphertext", flat=True)
-        .first()
-    )
-    if not ct:
-        return {}
-    try:
-        raw = secret_svc.decrypt(bytes(ct))
-    except Exception:
-        log.error(
-            "the API token of harness %s cannot be decrypted with the configured keys", sandbox.metadata
-        )
-        return {}
-    return {"HANGAR_API_TOKEN": raw, "OTEL_EXPORTER_OTLP_HEADERS": f"Authorization=Bearer {raw}"}
-
-
 def mask_values(h: Harness) -> list[str]:
     """Values that must never appear in the harness's log or its runs' output."""
     names = set(h.secrets) | ({h.repo_secret} if h.repo_secret else set())
     values = []
-    from ..models import Secret
-
     for ct in Secret.objects.filter(team_id=h.team_id, name__in=names).values_list("ciphertext", flat=True):
         with contextlib.suppress(Exception):
             values.append(secret_svc.decrypt(bytes(ct)))
@@ -237,7 +213,7 @@ def mask_values(h: Harness) -> list[str]:
 def harness_create(
     *,
     team: Team,
-    user: AbstractBaseUser,
+    user: User,
     name: str,
     agent: str,
     command: Any = None,
@@ -265,18 +241,20 @@ def harness_create(
     argv = _command(agent, command)
     url, branch, repo_secret, repo_auth = _repo(team, repo)
     env = dict(env or {})
-    sandbox_svc._validate_env(env)
+    checks_svc.validate_env(env)
     secret_names = secret_svc.validate_names(team=team, names=list(secrets or []), env=env)
     disk_mb = settings.HANGAR_HARNESS_DISK_MB if disk_mb is None else disk_mb
     if idle_timeout_s == 0:
         idle_timeout_s = None  # never idle
     # The agent reaches Hangar (its API token, OTLP) at hangar.internal unless told not to.
-    net = dict(network) if isinstance(network, dict) else ({"egress": "all"} if network is None else network)
+    net: dict[str, Any] = (
+        dict(network) if isinstance(network, dict) else ({"egress": "all"} if network is None else network)
+    )
     if isinstance(net, dict) and settings.HANGAR_SANDBOX_GATEWAY_PORT:
         net.setdefault("hangar", True)
-    net = sandbox_svc.validate_network(net, runtime="gvisor")
+    net = sandbox_svc.validate_network(net)
     image_row = sandbox_svc.image_resolve(image)
-    sandbox_svc._validate_limits(cpu=cpu, memory_mb=memory_mb, timeout_s=60)
+    checks_svc.validate_limits(cpu=cpu, memory_mb=memory_mb, timeout_s=60)
     if Harness.objects.filter(team=team, name=name, deleted_at__isnull=True).exists():
         raise Conflict(f"team {team.name} already has a harness named {name!r}")
     with transaction.atomic():
@@ -298,11 +276,10 @@ def harness_create(
             volume_svc.volume_create(team=team, name=_volume_name(team, name), size_mb=disk_mb, user=user),
             True,
         )
-    volume = vol
     h = Harness(
         team=team, name=name, agent=agent, command=argv, image=image_row.name, cpu=cpu, memory_mb=memory_mb,
         disk_mb=disk_mb, repo_url=url, repo_branch=branch, repo_secret=repo_secret, secrets=secret_names,
-        env=env, network=net, idle_timeout_s=idle_timeout_s, volume=volume,
+        env=env, network=net, idle_timeout_s=idle_timeout_s, volume=vol,
         created_by=user if getattr(user, "is_authenticated", False) else None,
     )  # fmt: skip
     try:
@@ -312,31 +289,33 @@ def harness_create(
             h.save(force_insert=True)
     except IntegrityError:
         if made:
-            volume_svc.volume_delete(volume=volume)
+            volume_svc.volume_delete(volume=vol)
         raise Conflict(f"team {team.name} already has a harness named {name!r}") from None
     except Exception:
         if made:
-            volume_svc.volume_delete(volume=volume)
+            volume_svc.volume_delete(volume=vol)
         raise
     try:
         issued = auth_svc.token_create(user=user, team=team, name=f"harness {name}", role=_token_role(user, team),
-                                       scopes=TOKEN_SCOPES)  # fmt: skip
+                                       scopes=TOKEN_SCOPES, harness=h)  # fmt: skip
         h.api_token = issued.token
         h.api_token_ciphertext = secret_svc.encrypt(issued.raw)
         h.save(update_fields=["api_token", "api_token_ciphertext"])
-        h.sandbox = _start_sandbox(h, user=user, image_config=image_row.config, repo_auth=repo_auth)
-        h.save(update_fields=["sandbox"])
+        # One transaction: the sandbox is provisioned (after commit) once the harness names it.
+        with transaction.atomic():
+            h.sandbox = _start_sandbox(h, user=user, image_config=image_row.config, repo_auth=repo_auth)
+            h.save(update_fields=["sandbox"])
     except Exception:
         _undo_create(h, delete_volume=made)
         raise
     audit.record("harness.create", team=team, target=f"{h.name} ({h.id})", agent=agent, image=h.image,
-                 repo=url, branch=branch, secrets=secret_names, volume=volume.name)  # fmt: skip
+                 repo=url, branch=branch, secrets=secret_names, volume=vol.name)  # fmt: skip
     harness_log(h, "event", f"created: agent {p.label}, image {h.image}, {cpu:g} vCPU, {memory_mb} MB, "
-                f"workspace volume {volume.name} ({disk_mb} MB)")  # fmt: skip
+                f"workspace volume {vol.name} ({disk_mb} MB)")  # fmt: skip
     return h
 
 
-def _token_role(user: AbstractBaseUser, team: Team) -> str:
+def _token_role(user: User, team: Team) -> str:
     held = auth_svc.role_of(user, team) or "member"
     return "member" if auth_svc.role_at_least(held, "member") else held
 
@@ -349,7 +328,8 @@ def _undo_create(h: Harness, delete_volume: bool = True) -> None:
             )
     if h.api_token_id:
         with contextlib.suppress(Exception):
-            auth_svc.token_revoke_row(h.api_token)
+            if h.api_token is not None:
+                auth_svc.token_revoke_row(h.api_token)
     Harness.objects.filter(id=h.id).update(deleted_at=timezone.now(), sandbox=None)
     if h.volume_id and delete_volume:
         _delete_volume_when_free(h.volume_id)
@@ -359,24 +339,28 @@ def _start_sandbox(h: Harness, *, user: Any, image_config: dict[str, Any], repo_
     image_env = dict(e.split("=", 1) for e in image_config.get("env") or [] if "=" in e)
     timeout_s = min(settings.HANGAR_HARNESS_TIMEOUT_S, quotas.effective(h.team)["lifetime_s"]["limit"])
     names = list(h.secrets) + ([h.repo_secret] if h.repo_secret and h.repo_secret not in h.secrets else [])
-    sandbox = sandbox_svc.sandbox_create(
-        team=h.team, user=user, image=h.image, cpu=h.cpu, memory_mb=h.memory_mb, timeout_s=int(timeout_s),
+    assert h.volume_id is not None  # every harness is made with its workspace volume
+    spec = sandbox_svc.SandboxRequest(
+        image=h.image, cpu=h.cpu, memory_mb=h.memory_mb, timeout_s=int(timeout_s),
         env=_sandbox_env(h, image_env.get("PATH", "/usr/local/bin:/usr/bin:/bin")),
         metadata={"harness": h.id, "harness_name": h.name, "repo_auth": repo_auth},
         volumes=[volume_svc.VolumeMount(volume=h.volume_id, mount_path=presets.WORKSPACE)],
         on_expire=sandbox_svc.ON_EXPIRE_PAUSE, idle_timeout_s=h.idle_timeout_s, secrets=names,
         network=h.network or None,
     )  # fmt: skip
-    return sandbox
+    return sandbox_svc.sandbox_create(team=h.team, user=user, request=spec)
 
 
 # -- setup (on the sandbox's node) -------------------------------------------------------------
 
 
 def harness_setup_enqueue(sandbox: Sandbox) -> None:
-    """Called on the node when a harness's sandbox first runs: prepare its workspace."""
-    hid = (sandbox.metadata or {}).get("harness")
-    if not hid or sandbox.node is None:
+    """Called on the node when a harness's sandbox first runs (a receiver of
+    ``events.sandbox_started``): prepare its workspace."""
+    if sandbox.node is None:
+        return
+    hid = Harness.objects.filter(sandbox_id=sandbox.id).values_list("id", flat=True).first()
+    if hid is None:
         return
     # A fresh start: no setup survives one, so a setup marked running was cut short (a worker
     # restarted): it goes again. Only the harness's own sandbox, of its own team, counts.
@@ -384,10 +368,8 @@ def harness_setup_enqueue(sandbox: Sandbox) -> None:
                            setup=Harness.Setup.RUNNING).update(setup=Harness.Setup.PENDING)  # fmt: skip
     if not Harness.objects.filter(id=hid, team_id=sandbox.team_id).exists():
         return
-    from .. import tasks
-
     try:
-        tasks.harness_setup.apply_async(args=[hid], queue=sandbox.node.queue)
+        enqueue.send("harness_setup", [hid], queue=sandbox.node.queue)
     except Exception as exc:
         log.error("could not enqueue the setup of harness %s: %s", hid, exc)
         Harness.objects.filter(id=hid).update(
@@ -400,8 +382,6 @@ class _LogWriter:
     second), secrets masked."""
 
     def __init__(self, h: Harness, source: str, mask: list[str], run: Run | None = None) -> None:
-        from ..streams import Masker
-
         self.h, self.source, self.run = h, source, run
         self.masker = Masker(mask)
         self.buf: list[str] = []
@@ -446,7 +426,7 @@ def harness_setup(*, harness_id: str) -> None:
     if sandbox is None or sandbox.status != S.RUNNING:
         Harness.objects.filter(id=h.id).update(setup=Harness.Setup.PENDING)
         return
-    if sandbox.node_id is None or sandbox.node.name != local_node_name():
+    if sandbox.node is None or sandbox.node.name != local_node_name():
         # Asked on the wrong node: the sandbox's own node does it.
         Harness.objects.filter(id=h.id).update(setup=Harness.Setup.PENDING)
         harness_setup_enqueue(Sandbox.objects.select_related("node").get(id=sandbox.id))
@@ -460,7 +440,7 @@ def harness_setup(*, harness_id: str) -> None:
     req = ExecRequest(argv=["/bin/sh", "-c", script], env=env, cwd="/", timeout=SETUP_TIMEOUT_S,
                       max_output=1 << 20)  # fmt: skip
     try:
-        result = launcher_for(sandbox.runtime).exec(sandbox.handle, req, on_output=writer)
+        result = sandbox_access(sandbox).exec(req, on_output=writer)
     except LauncherError as exc:
         writer.close()
         if not Sandbox.objects.filter(id=sandbox.id, status=S.RUNNING).exists():
@@ -492,18 +472,17 @@ def harness_setup(*, harness_id: str) -> None:
         setup=Harness.Setup.DONE, agent_version=version
     )
     harness_log(h, "event", "workspace ready")
-    _notify(h)
+    harness_notify(h)
 
 
 def _setup_failed(h: Harness, why: str) -> None:
     Harness.objects.filter(id=h.id).update(setup=Harness.Setup.FAILED, setup_error=why)
     harness_log(h, "event", why)
-    _notify(h)
+    harness_notify(h)
 
 
-def _notify(h: Harness) -> None:
-    from .. import notify
-
+def harness_notify(h: Harness) -> None:
+    """The harness's pages and followers hear that it changed (its setup, its runs)."""
     if h.sandbox_id:
         notify.sandbox_changed(h.sandbox_id, "harness", h.team_id)
 
@@ -599,13 +578,14 @@ def _repo_auth(h: Harness) -> str:
 def harness_ensure_running(*, harness: Harness, timeout: float, user: Any = None) -> Harness:
     """Resume the harness if it is paused and wait (at most ``timeout``) until it runs; the
     SSH gateway and runs use it. Raises :class:`Conflict` if it does not come up in time."""
-    harness = (
+    found = (
         Harness.objects.select_related("sandbox", "sandbox__node", "team")
         .filter(id=harness.id, deleted_at__isnull=True)
         .first()
     )
-    if harness is None:
+    if found is None:
         raise NotFound("the harness was deleted")
+    harness = found
     if harness.sandbox is None or harness.sandbox.status != S.RUNNING:
         if harness.sandbox is not None and harness.sandbox.status == S.PAUSING:
             sandbox_svc.sandbox_wait(sandbox=harness.sandbox, timeout=timeout, statuses=(S.PAUSED, S.FAILED))
@@ -651,7 +631,8 @@ def harness_delete(*, harness: Harness, delete_volume: bool = False) -> None:
         sandbox_svc.sandbox_delete(sandbox=harness.sandbox, reason=f"harness {harness.name} deleted")
     if harness.api_token_id:
         with contextlib.suppress(Exception):
-            auth_svc.token_revoke_row(harness.api_token)
+            if harness.api_token is not None:
+                auth_svc.token_revoke_row(harness.api_token)
     kept = harness.volume.name if harness.volume else ""
     if delete_volume and harness.volume_id:
         _delete_volume_when_free(harness.volume_id)
@@ -662,10 +643,9 @@ def harness_delete(*, harness: Harness, delete_volume: bool = False) -> None:
 def _delete_volume_when_free(volume_id: str) -> None:
     """The volume's sandbox is being destroyed on its node; delete the volume once it is
     (a task, retried until the sandbox lets go)."""
-    from .. import tasks
-
-    transaction.on_commit(lambda: tasks.volume_delete_when_free.apply_async(args=[volume_id], queue="control",
-                                                                            countdown=1))  # fmt: skip
+    transaction.on_commit(
+        lambda: enqueue.send("volume_delete_when_free", [volume_id], queue="control", countdown=1)
+    )
 
 
 def volume_delete_when_free(*, volume_id: str) -> bool:
@@ -703,6 +683,21 @@ def harnesses_with_active_runs(sandbox_ids: list[str]) -> set[str]:
     )
 
 
+def harness_token_create_check(*, token: Any, secrets: list[str], volumes: list[Any]) -> None:
+    """What a harness's own token may give a sandbox it creates: the secrets its harness has
+    (the agent holds their values already) and no volume (another harness's workspace, say)."""
+    if getattr(token, "harness_id", None) is None:
+        return
+    h = Harness.objects.filter(id=token.harness_id).values_list("secrets", "repo_secret").first()
+    allowed = set(h[0]) | ({h[1]} if h[1] else set()) if h else set()
+    if extra := sorted(set(secrets) - allowed):
+        raise Forbidden(
+            f"a harness's token may give a sandbox only its harness's secrets, not {', '.join(extra)}"
+        )
+    if volumes:
+        raise Forbidden("a harness's token cannot attach volumes to a sandbox")
+
+
 def harness_of_token(token: Any, sandbox: Sandbox) -> bool:
     """Is ``token`` the API token of the harness whose sandbox this is? (An agent must not
     loosen its own harness's network with the token it was given.)"""
@@ -711,4 +706,4 @@ def harness_of_token(token: Any, sandbox: Sandbox) -> bool:
 
 def harness_touch(h: Harness) -> None:
     if h.sandbox_id:
-        sandbox_svc.sandbox_mark_active(h.sandbox_id)
+        calls_svc.sandbox_mark_active(h.sandbox_id)

@@ -9,24 +9,36 @@ from typing import Any
 
 from django.db import transaction
 from django.utils import timezone
+from kombu.exceptions import OperationalError
 
-from .. import notify
+from .. import enqueue, notify
 from ..errors import BadRequest, Forbidden, InvalidValue, NotFound, ServiceError
-from ..launchers.images import MINIMAL_PACKAGES, NAME_RE, ImageError, ImageInfo, validate_name
+from ..host.images.base import NAME_RE, ImageError, ImageInfo, validate_name
+from ..host.images.build import MINIMAL_PACKAGES
 from ..models import Image, ImageJob, Node
-from ..node import image_store, local_node_name
+from ..node.local import image_store, local_node_name, node_queue
 
 logger = logging.getLogger(__name__)
 
 
 def image_resolve(ref: str) -> Image:
-    """The image row for a name (or digest); a 400 naming the images there are otherwise."""
+    """The image row for a name (or digest); a 400 naming the images there are otherwise (and,
+    for one Hangar builds, how to build it)."""
     image = Image.objects.filter(name=ref).first() or Image.objects.filter(digest=ref).first()
     if image is None:
         names = sorted(Image.objects.values_list("name", flat=True))
         known = ", ".join(names) if names else "none yet (run `hangar image build busybox`)"
-        raise BadRequest(f"unknown image {ref!r}; images available: {known}", images=names)
+        how = f"; {image_build_hint(ref)}" if ref in BUILDABLE else ""
+        raise BadRequest(f"unknown image {ref!r}; images available: {known}{how}", images=names)
     return image
+
+
+def image_build_hint(kind: str) -> str:
+    """How a missing image that Hangar builds itself comes to be, and how long it takes."""
+    return (
+        f"{kind} is not built on this Hangar yet: an administrator builds it with "
+        f"`hangar image build {kind}` ({BUILD_TIMES[kind]}) or from the Images page"
+    )
 
 
 def image_register(*, info: ImageInfo, name: str, node_name: str | None = None) -> Image:
@@ -93,6 +105,9 @@ def image_pull(*, ref: str, name: str | None = None, tls_verify: bool = True,
 JOB_LOG_BYTES = 64 * 1024  # the tail of a job's progress kept on its row
 JOB_FLUSH_S = 0.3  # progress reaches the row (and the page) at most this often
 BUILDABLE = ("busybox", "base", "minimal")
+# How long each build takes (base: 73 s measured on a 2-CPU machine with a nearby Debian
+# mirror, most of it installing packages; a distant mirror adds their download).
+BUILD_TIMES = {"busybox": "seconds", "base": "a minute or two", "minimal": "under a minute"}
 
 
 def image_job_start(
@@ -130,20 +145,26 @@ def image_job_start(
 
 
 def _enqueue_job(job_id: int, node_name: str) -> None:
-    from kombu.exceptions import OperationalError
-
-    from .. import tasks
-    from ..node import node_queue
-
     try:
-        tasks.image_job.apply_async(args=[job_id], queue=node_queue(node_name), retry=True,
-                                    retry_policy={"max_retries": 3, "interval_start": 0.2})  # fmt: skip
+        enqueue.send("image_job", [job_id], queue=node_queue(node_name), retry=True,
+                     retry_policy=enqueue.RETRY_POLICY)  # fmt: skip
     except OperationalError as exc:
         _finish(job_id, error=f"the task queue is unreachable: {exc}")
 
 
 def image_jobs_recent(*, limit: int = 20) -> list[ImageJob]:
     return list(ImageJob.objects.select_related("node", "image", "created_by")[:limit])
+
+
+def image_build_in_progress(*, kind: str) -> ImageJob | None:
+    """The newest build of ``kind`` still queued or running, if any."""
+    return (
+        ImageJob.objects.select_related("node", "image", "created_by")
+        .filter(
+            kind=ImageJob.Kind.BUILD, ref=kind, status__in=[ImageJob.Status.QUEUED, ImageJob.Status.RUNNING]
+        )
+        .first()
+    )
 
 
 def image_job_get(*, job_id: int) -> ImageJob:

@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import shutil
+from collections.abc import Iterable
 from datetime import timedelta
 from typing import Any
 
+from celery.exceptions import TimeoutError as CeleryTimeout
 from django.conf import settings
 from django.db import transaction
 from django.db.models import Count, Exists, OuterRef, Q, Sum
 from django.utils import timezone
 
-from ..errors import NoCapacity, NodeUnavailable
+from .. import enqueue
+from ..errors import InvalidValue, NoCapacity, NodeUnavailable
 from ..models import Image, Node, Sandbox
 
 # What holds CPU and memory on a node (a paused sandbox holds only its disk).
@@ -21,22 +24,30 @@ ACTIVE = [
 ]  # fmt: skip
 
 
+# What a runtime without a capability says when a sandbox asks for it (a 422).
+CANNOT = {
+    "network": "network: the {runtime} runtime gives sandboxes no network",
+    "checkpoint": "pause mode checkpoint: the {runtime} runtime cannot checkpoint; pause it with mode stop",
+}
+
+
 def node_register(
     *,
     name: str,
-    runtimes: list[str],
+    launchers: dict[str, dict[str, bool]],
     cpu: float,
     memory_mb: int,
     version: str = "",
     tunnel_address: str = "",
     disk_free_mb: int | None = None,
 ) -> Node:
-    """Create or refresh this node's row and mark it online."""
+    """Create or refresh this node's row and mark it online, with the runtimes it runs and
+    their capabilities (``launchers``: runtime → {"network": …, "checkpoint": …})."""
     now = timezone.now()
     node, _ = Node.objects.update_or_create(
         name=name,
         defaults={
-            "runtimes": runtimes,
+            "launchers": launchers,
             "cpu_capacity": cpu,
             "memory_mb_capacity": memory_mb,
             "version": version,
@@ -50,11 +61,16 @@ def node_register(
     return node
 
 
-def node_heartbeat(*, name: str, disk_free_mb: int | None = None) -> bool:
+def node_heartbeat(
+    *, name: str, disk_free_mb: int | None = None, launchers: dict[str, dict[str, bool]] | None = None
+) -> bool:
     """Record that the node's worker is alive (and bring an offline node back online), with
-    the free space of its sandboxes' filesystem."""
+    the free space of its sandboxes' filesystem and, when given, its runtimes' capabilities."""
     Node.objects.filter(name=name, status=Node.Status.OFFLINE).update(status=Node.Status.ONLINE)
-    return Node.objects.filter(name=name).update(heartbeat_at=timezone.now(), disk_free_mb=disk_free_mb) > 0
+    fields: dict[str, Any] = {"heartbeat_at": timezone.now(), "disk_free_mb": disk_free_mb}
+    if launchers is not None:
+        fields["launchers"] = launchers
+    return Node.objects.filter(name=name).update(**fields) > 0
 
 
 def local_disk_free_mb() -> int | None:
@@ -86,10 +102,14 @@ def nodes_with_usage():
     ).order_by("name")
 
 
-def node_pick(*, runtime: str, cpu: float, memory_mb: int, image: Image, node_id: int | None = None) -> Node:
-    """The online node with the most free memory that runs ``runtime``, holds the image and has
-    room. Call inside a transaction: the chosen node's row stays locked until commit so two
-    concurrent creates cannot both take its last unit of room."""
+def node_pick(
+    *, runtime: str, cpu: float, memory_mb: int, image: Image, node_id: int | None = None,
+    needs: Iterable[str] = (),
+) -> Node:  # fmt: skip
+    """The online node with the most free memory that runs ``runtime`` with the capabilities
+    ``needs`` (network, checkpoint), holds the image and has room. Call inside a transaction:
+    the chosen node's row stays locked until commit so two concurrent creates cannot both take
+    its last unit of room."""
     cutoff = timezone.now() - timedelta(seconds=settings.HANGAR_NODE_OFFLINE_AFTER_S)
     holds_image = Image.nodes.through.objects.filter(image_id=image.id, node_id=OuterRef("pk"))
     candidates = [
@@ -97,16 +117,20 @@ def node_pick(*, runtime: str, cpu: float, memory_mb: int, image: Image, node_id
         for n in nodes_with_usage()
         .filter(status=Node.Status.ONLINE, heartbeat_at__gte=cutoff)
         .annotate(has_image=Exists(holds_image))
-        if runtime in (n.runtimes or [])
+        if runtime in (n.launchers or {})
     ]
     if not candidates:
         runtimes = sorted(
-            {r for n in Node.objects.filter(status=Node.Status.ONLINE) for r in n.runtimes or []}
+            {r for n in Node.objects.filter(status=Node.Status.ONLINE) for r in n.launchers or {}}
         )
         raise NoCapacity(
             f"no online node runs runtime {runtime!r}"
             + (f"; available: {', '.join(runtimes)}" if runtimes else "")
         )
+    for capability in needs:
+        candidates = [n for n in candidates if n.can(runtime, capability)]
+        if not candidates:
+            raise InvalidValue(CANNOT[capability].format(runtime=runtime))
     if node_id is not None:  # its volumes are there
         candidates = [n for n in candidates if n.id == node_id]
         if not candidates:
@@ -142,12 +166,32 @@ def node_pick(*, runtime: str, cpu: float, memory_mb: int, image: Image, node_id
     return chosen
 
 
-def node_call(node: Node, task: Any, args: list[Any], timeout: float) -> dict[str, Any]:
-    """Run a task on ``node``'s own queue and wait for its JSON answer; a node that does not
-    answer in time is :class:`NodeUnavailable` (502)."""
-    from celery.exceptions import TimeoutError as CeleryTimeout
+def runtimes_offered() -> dict[str, dict[str, bool]]:
+    """The runtimes the online nodes run, each with what its sandboxes can have on at least
+    one of them (for the create form)."""
+    offered: dict[str, dict[str, bool]] = {}
+    for launchers in Node.objects.filter(status=Node.Status.ONLINE).values_list("launchers", flat=True):
+        for runtime, caps in (launchers or {}).items():
+            mine = offered.setdefault(runtime, {})
+            for key, value in caps.items():
+                if isinstance(value, bool):  # what its sandboxes can have (not its limits)
+                    mine[key] = mine.get(key, False) or value
+    return dict(sorted(offered.items()))
 
-    result = task.apply_async(args=args, queue=node.queue)
+
+def runtime_require(*, runtime: str, capability: str) -> None:
+    """An online node runs ``runtime`` with ``capability``, or a 422 that says it cannot (a
+    runtime no node runs is left to the scheduler, which says so)."""
+    online = Node.objects.filter(status=Node.Status.ONLINE).values_list("launchers", flat=True)
+    running = [launchers[runtime] for launchers in online if runtime in (launchers or {})]
+    if running and not any(caps.get(capability) for caps in running):
+        raise InvalidValue(CANNOT[capability].format(runtime=runtime))
+
+
+def node_call(node: Node, task: str, args: list[Any], timeout: float) -> dict[str, Any]:
+    """Run the task named ``task`` on ``node``'s own queue and wait for its JSON answer; a node
+    that does not answer in time is :class:`NodeUnavailable` (502)."""
+    result = enqueue.send(task, args, queue=node.queue, answer=True)
     try:
         answer: dict[str, Any] = result.get(timeout=timeout, propagate=True)
     except CeleryTimeout:

@@ -24,12 +24,17 @@ from typing import Any
 from django.conf import settings
 from django.db import transaction
 from django.utils import timezone
+from kombu.exceptions import OperationalError
 
+from .. import enqueue
 from ..errors import Conflict, InvalidValue, NoCapacity, NotFound, QuotaExceeded
 from ..lifecycle import record_event
 from ..models import Pool, Sandbox, Team
 from . import audit
+from .checks import validate_limits, validate_runtime
 from .images import image_resolve
+from .nodes import runtime_require
+from .sandboxes import resolve_disk_mb, sandbox_delete, sandbox_start_member
 
 log = logging.getLogger(__name__)
 S = Sandbox.Status
@@ -49,7 +54,7 @@ def pool_get(*, team: Team, pool_id: str) -> Pool:
 
 def pool_fill(pool: Pool) -> dict[str, int]:
     """How full the pool is: members ready (running), still starting, and its target."""
-    counts = {s: 0 for s in WARM}
+    counts: dict[str, int] = {s: 0 for s in WARM}
     for status in Sandbox.objects.filter(pool=pool, claimed_at__isnull=True, status__in=WARM).values_list(
         "status", flat=True
     ):
@@ -62,26 +67,25 @@ def pool_create(
     team: Team,
     user: Any,
     image: str,
-    runtime: str = "gvisor",
+    runtime: str | None = None,
     cpu: float = 1.0,
     memory_mb: int = 512,
     size: int = 1,
     network: bool = False,
     disk_mb: int | None = None,
 ) -> Pool:
-    from .sandboxes import _validate_limits, resolve_disk_mb, validate_network
-
-    _validate_limits(cpu=cpu, memory_mb=memory_mb, timeout_s=60)
+    runtime = validate_runtime(runtime or settings.HANGAR_DEFAULT_RUNTIME)
+    validate_limits(cpu=cpu, memory_mb=memory_mb, timeout_s=60)
     disk_mb = resolve_disk_mb(disk_mb)
     if not isinstance(network, bool):
         raise InvalidValue("network is true or false (whether members start with a network of their own)")
     if network:
-        validate_network({"egress": "all"}, runtime=runtime)  # refused where the runtime has none
+        runtime_require(runtime=runtime, capability="network")  # refused where the runtime has none
     limit = settings.HANGAR_POOL_MAX_SIZE
     if not isinstance(size, int) or not 1 <= size <= limit:
         raise InvalidValue(f"size must be between 1 and {limit}, got {size}")
     image_row = image_resolve(image)
-    spec = {"image": image_row.name, "runtime": runtime, "cpu": cpu, "memory_mb": memory_mb, "disk_mb": disk_mb,
+    spec: dict[str, Any] = {"image": image_row.name, "runtime": runtime, "cpu": cpu, "memory_mb": memory_mb, "disk_mb": disk_mb,
             "network": network}  # fmt: skip
     same = Pool.objects.filter(team=team, **spec).first()
     if same is not None:
@@ -106,8 +110,6 @@ def pool_resize(*, pool: Pool, size: int) -> Pool:
 
 def pool_delete(*, pool: Pool) -> None:
     """Delete the pool and its unclaimed members; claimed sandboxes are the callers' and stay."""
-    from .sandboxes import sandbox_delete
-
     with transaction.atomic():
         # The pool's row lock first: a refill starting a member holds it too (and finds the
         # pool gone once this commits), so no member can be added between the two steps.
@@ -126,8 +128,6 @@ def pool_delete(*, pool: Pool) -> None:
 def pool_refill(*, pool_id: str) -> int:
     """Start members until the pool holds ``size`` unclaimed ones; returns how many it started.
     Members that failed are deleted (they are nobody's yet)."""
-    from .sandboxes import sandbox_delete, sandbox_start_member
-
     pool = Pool.objects.filter(id=pool_id).select_related("team").first()
     if pool is None:
         return 0
@@ -168,7 +168,7 @@ def pool_claim(
     """A running member of the team's pool for this spec, now the caller's (``claim`` holds the
     fields it takes on: env, metadata, timeout_s, created_by, rules); None if there is none.
     With ``network``, only a pool with networks matches, and the caller puts its policy in
-    force (:func:`claim_network`) once the claim is committed. The claim, its event and
+    force once the claim is committed. The claim, its event and
     ``on_claim(member_id, pool_id)`` (the caller's audit record) commit together."""
     spec = {"image": image, "runtime": runtime, "cpu": cpu, "memory_mb": memory_mb, "disk_mb": disk_mb}
     pool = Pool.objects.filter(team=team, network=network, **spec).first()
@@ -204,37 +204,9 @@ def pool_claim(
     return None
 
 
-def claim_network(sandbox_id: str, net: dict[str, Any]) -> bool:
-    """The claimed member's egress policy, in force on its node, then on its row (which says
-    egress none until then, as the node does). A member that cannot take it, whatever the
-    reason (the node's answer, its queue, a timeout), is deleted (it never ran anything of the
-    caller's) and False returned."""
-    from ..lifecycle import transition
-    from .sandboxes import network_store, sandbox_delete, sandbox_network_apply
-
-    sandbox = Sandbox.objects.select_related("node", "team").get(id=sandbox_id)
-    try:
-        sandbox_network_apply(sandbox, net)
-        network_store(sandbox_id, net)
-        return True
-    except Exception as exc:
-        log.warning("claimed member %s could not take its network policy: %s", sandbox_id, exc)
-        record_event(sandbox_id, "network", f"the claim's network policy could not be applied: {exc}")
-        transition(
-            sandbox_id, to=S.FAILED, frm=[S.RUNNING], reason=f"its network policy was not applied: {exc}"
-        )
-        sandbox.refresh_from_db()
-        sandbox_delete(sandbox=sandbox, reason="a warm member that could not take its network policy")
-        return False
-
-
 def _enqueue_refill(pool_id: str, delay: float = 0) -> None:
-    from kombu.exceptions import OperationalError
-
-    from .. import tasks
-
     try:
-        tasks.pool_refill.apply_async(args=[pool_id], queue="control", countdown=delay or None, retry=True,
-                                      retry_policy={"max_retries": 3, "interval_start": 0.2})  # fmt: skip
+        enqueue.send("pool_refill", [pool_id], queue="control", countdown=delay or None, retry=True,
+                     retry_policy=enqueue.RETRY_POLICY)  # fmt: skip
     except OperationalError as exc:  # beat refills every pool on its next tick anyway
         log.warning("could not enqueue the refill of pool %s: %s", pool_id, exc)

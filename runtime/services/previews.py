@@ -1,7 +1,7 @@
 """Preview URLs: a web server running inside a sandbox, reached at
 ``{scheme}://{port}-{sandbox_id}.{HANGAR_PREVIEW_DOMAIN}``.
 
-The control plane proxies such requests (:mod:`dashboard.preview`) to the sandbox's agent,
+The control plane proxies such requests (:mod:`dashboard.edge.preview`) to the sandbox's agent,
 which connects to the port on the sandbox's own loopback (the agent's ``T`` tunnel): the
 server needs no network of its own and is reachable whatever the sandbox's egress rules.
 
@@ -149,6 +149,11 @@ def remember_row(sandbox: Sandbox) -> None:
 
 def forget_row(sandbox_id: str) -> None:
     _rows.pop(sandbox_id, None)
+
+
+def on_status_changed(sandbox_id: str, status: str) -> None:
+    """A receiver of ``events.status_changed``: this process's copy of the row is stale."""
+    forget_row(sandbox_id)
 
 
 def port_entry(sandbox: Sandbox, port: int) -> dict[str, Any] | None:

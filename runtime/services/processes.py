@@ -1,35 +1,40 @@
 """Live processes: streamed and background execs, and terminals.
 
-They run on the sandbox's node, held by that node's stream bridge (:mod:`runtime.bridge`);
-these services start them, follow their output, and send them input, through the Channels
-layer (:mod:`runtime.streams` describes the wire). The starting and following services are
-async: they are called from async views and websocket consumers, which wait on the layer.
+They run on the sandbox's node, held by that node's stream bridge (:mod:`runtime.node.bridge`);
+these services start them (through the sandbox's one road, :mod:`.sandbox_access`), follow
+their output, and send them input, through the Channels layer (:mod:`runtime.streams`
+describes the wire). Callers hold a :class:`ProcessHandle`, never the wire's keys or frames.
+The starting and following services are async: they are called from async views and
+websocket consumers, which wait on the layer.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import signal as signal_module
 import time
 from collections.abc import AsyncIterator
-from contextvars import ContextVar
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from channels.exceptions import ChannelFull
 from django.conf import settings
-from django.contrib.auth.models import AbstractBaseUser
+from django.contrib.auth.models import User
 from django.db.models import QuerySet
 from django.utils import timezone
 
-from .. import streams
+from .. import events, streams
 from ..aio import blocking
 from ..errors import Conflict, InvalidValue, NodeUnavailable, NotFound
 from ..models import Exec, Sandbox, Team, Terminal
-from .sandboxes import _require_running, _runtime_failure, exec_validate, sandbox_mark_active
+from . import secrets as secret_svc
+from .auth import sandbox_reached
+from .channel_layer import channel_layer
+from .checks import validate_command_size
+from .sandbox_access import sandbox_access
+from .sandbox_calls import require_running, sandbox_mark_active
+from .sandbox_io import exec_validate
 
-START_TIMEOUT_S = 15.0
 # A follower that hears nothing for this long checks the row (did the bridge go away?).
 FOLLOW_IDLE_S = 30.0
 MAX_INLINE_STDIN = 1024 * 1024
@@ -39,38 +44,6 @@ DEFAULT_SHELL = [
     "/bin/sh", "-c",
     'if command -v bash >/dev/null 2>&1; then exec bash -l; else exec sh -l; fi',
 ]  # fmt: skip
-
-
-_LAYER: ContextVar[Any] = ContextVar("hangar_channel_layer", default=None)
-
-
-def _layer() -> Any:
-    layer = _LAYER.get()
-    if layer is not None:
-        return layer
-    from channels.layers import get_channel_layer
-
-    return get_channel_layer()
-
-
-def run_with_own_layer(make_coro: Any) -> Any:
-    """Run ``make_coro()`` to the end on a new event loop with a Channels layer of its own
-    (from a worker thread: the shared layer belongs to whichever loop used it first)."""
-
-    async def main() -> Any:
-        from channels.layers import DEFAULT_CHANNEL_LAYER, channel_layers
-
-        layer = channel_layers.make_backend(DEFAULT_CHANNEL_LAYER)
-        _LAYER.set(layer)
-        try:
-            return await make_coro()
-        finally:
-            close = getattr(layer, "close_pools", None)
-            if close is not None:
-                with contextlib.suppress(Exception):
-                    await close()
-
-    return asyncio.run(main())
 
 
 def _db(fn: Any) -> Any:
@@ -97,7 +70,9 @@ def process_get(*, sandbox: Sandbox, process_id: int | str) -> Exec:
         raise NotFound(f"no process {process_id!r} in sandbox {sandbox.id}") from None
     row = sandbox.execs.filter(id=pk).first()
     if row is None:
-        raise NotFound(f"no process {process_id!r} in sandbox {sandbox.id}")
+        by_pid = sandbox.execs.filter(pid=pk).order_by("-id").values_list("id", flat=True).first()
+        hint = f": {pk} is the pid of process {by_pid}; paths take the process's id" if by_pid else ""
+        raise NotFound(f"no process {process_id!r} in sandbox {sandbox.id}{hint}")
     return row
 
 
@@ -105,47 +80,16 @@ def terminals_for_sandbox(*, sandbox: Sandbox) -> QuerySet[Terminal]:
     return sandbox.terminals.all()
 
 
-def terminal_get(*, team: Team, terminal_id: str) -> Terminal:
+def terminal_get(*, team: Team, terminal_id: str, caller: Any = None) -> Terminal:
     row = Terminal.objects.select_related("sandbox__node").filter(id=terminal_id, sandbox__team=team).first()
+    if row is not None and not sandbox_reached(caller=caller, sandbox_id=row.sandbox_id):
+        row = None  # beyond a harness's token: as if it were another team's
     if row is None:
         raise NotFound(f"no terminal {terminal_id!r} in team {team.name}")
     return row
 
 
-def _node_name(sandbox: Sandbox) -> str:
-    if sandbox.node is None:
-        raise Conflict(f"sandbox {sandbox.id} is not placed on a node", status=sandbox.status)
-    return sandbox.node.name
-
-
 # -- starting ----------------------------------------------------------------------------------
-
-
-async def _bridge_start(sandbox: Sandbox, key: str, fields: dict[str, Any]) -> int:
-    """Ask the sandbox's node to start a live process; returns its pid inside the sandbox."""
-    layer = _layer()
-    reply = await layer.new_channel()
-    message = {
-        "type": streams.START, "key": key, "reply": reply, "sandbox_id": sandbox.id,
-        "runtime": sandbox.runtime, "handle": sandbox.handle, **fields,
-    }  # fmt: skip
-    node = _node_name(sandbox)
-    await layer.send(streams.bridge_channel(node), message)
-    try:
-        answer = await asyncio.wait_for(layer.receive(reply), START_TIMEOUT_S)
-    except TimeoutError:
-        raise NodeUnavailable(
-            f"the stream bridge of node {node} did not answer within {START_TIMEOUT_S:.0f} s "
-            "(is `hangar up` or `hangar node` running there?)"
-        ) from None
-    if answer["type"] == streams.STARTED:
-        return int(answer["pid"])
-    if answer.get("error") == "start":
-        raise InvalidValue(f"could not run {fields['argv'][0]!r}: {answer['message']} ({answer['errno']})")
-    from ..launchers.base import LauncherError
-
-    exc = _runtime_failure(sandbox, LauncherError(answer.get("message", "the runtime failed")))
-    raise exc
 
 
 async def process_start(
@@ -161,15 +105,16 @@ async def process_start(
     rows: int = 24,
     cols: int = 80,
     timeout_s: float | None = None,
-    user: AbstractBaseUser | None = None,
+    user: User | None = None,
     mask: list[str] | None = None,
 ) -> Exec:
     """Start a command as a live process of the sandbox's node and return its row at once.
     Without ``timeout_s`` it runs as long as the sandbox does."""
-    _require_running(sandbox)
+    require_running(sandbox)
     argv, env, cwd = exec_validate(cmd=cmd, env=env, cwd=cwd, timeout_s=timeout_s)
     # A claimed pool member got its env and secrets after it started: they come with each exec.
     env = {**sandbox.env, **(await _secret_env(sandbox)), **env}
+    validate_command_size(node=sandbox.node, runtime=sandbox.runtime, argv=argv, env=env, cwd=cwd)
     if kind not in (Exec.Kind.STREAM, Exec.Kind.BACKGROUND):
         raise InvalidValue(f"kind must be stream or background, got {kind!r}")
     if stdin is not None and len(stdin) > MAX_INLINE_STDIN:
@@ -192,7 +137,7 @@ async def process_start(
         "stdin_data": stdin or b"", "stdin_open": stdin_open, "kind": "exec", "mask": list(mask or []),
     }  # fmt: skip
     try:
-        row.pid = await _bridge_start(sandbox, streams.exec_key(row.id), fields)
+        row.pid = await sandbox_access(sandbox).start_process(streams.exec_key(row.id), fields)
     except (InvalidValue, Conflict, NodeUnavailable) as exc:
         row.status, row.error, row.finished_at = Exec.Status.FAILED, exc.message, timezone.now()
         await _db(row.save)(update_fields=["status", "error", "finished_at"])
@@ -202,10 +147,7 @@ async def process_start(
 
 
 async def _secret_env(sandbox: Sandbox) -> dict[str, str]:
-    from . import secrets as secret_svc
-
-    wanted = sandbox.secrets or (sandbox.metadata or {}).get("harness")
-    return await _db(secret_svc.env_for)(sandbox) if wanted else {}
+    return await _db(secret_svc.env_for)(sandbox)
 
 
 def _check_size(rows: int, cols: int) -> None:
@@ -222,12 +164,12 @@ async def terminal_open(
     env: dict[str, str] | None = None,
     rows: int = 24,
     cols: int = 80,
-    user: AbstractBaseUser | None = None,
+    user: User | None = None,
 ) -> Terminal:
     """Start a shell (or ``cmd``) on a PTY in the sandbox; it lives until it exits or the
     sandbox stops, whoever is watching."""
-    _require_running(sandbox)
-    if cwd is None and (sandbox.metadata or {}).get("harness"):
+    require_running(sandbox)
+    if cwd is None and await _db(sandbox.harnesses.exists)():
         cwd = "/workspace"  # a harness's terminals open in its workspace, wherever they are opened
     argv, env, cwd = exec_validate(cmd=cmd or DEFAULT_SHELL, env=env, cwd=cwd, timeout_s=None)
     _check_size(rows, cols)
@@ -240,6 +182,7 @@ async def terminal_open(
         **(await _secret_env(sandbox)),
         **env,
     }
+    validate_command_size(node=sandbox.node, runtime=sandbox.runtime, argv=argv, env=env, cwd=cwd)
 
     def create() -> Terminal:
         sandbox_mark_active(sandbox.id, sandbox.last_activity_at)
@@ -255,7 +198,7 @@ async def terminal_open(
         "stdin_data": b"", "stdin_open": True, "kind": "terminal",
     }  # fmt: skip
     try:
-        row.pid = await _bridge_start(sandbox, streams.terminal_key(row.id), fields)
+        row.pid = await sandbox_access(sandbox).start_process(streams.terminal_key(row.id), fields)
     except (InvalidValue, Conflict, NodeUnavailable) as exc:
         row.status, row.error, row.ended_at = Terminal.Status.FAILED, exc.message, timezone.now()
         await _db(row.save)(update_fields=["status", "error", "ended_at"])
@@ -270,7 +213,7 @@ async def terminal_open(
 async def process_send(*, node_name: str, key: str, kind: str, **fields: Any) -> None:
     """Input for a live process: ``proc.input`` (data), ``proc.eof``, ``proc.resize`` (rows,
     cols), ``proc.signal`` (signal), ``proc.kill``, ``proc.ack``/``proc.detach`` (reply)."""
-    await _layer().send(streams.bridge_channel(node_name), {"type": kind, "key": key, **fields})
+    await channel_layer().send(streams.bridge_channel(node_name), {"type": kind, "key": key, **fields})
 
 
 async def process_send_patiently(*, node_name: str, key: str, kind: str, **fields: Any) -> None:
@@ -289,6 +232,7 @@ async def process_send_patiently(*, node_name: str, key: str, kind: str, **field
 INPUT_CHUNK = 64 * 1024  # input bytes per message to the bridge
 INPUT_WINDOW = 2 * 1024 * 1024  # sent and not yet written to the command: the sender waits above this
 INPUT_ACK_EVERY = 256 * 1024  # a sender asks to hear how far its input is written this often
+ACK_WAIT_S = 10.0  # a sender with a full window that hears nothing this long asks again
 SEND_RETRY_S = (0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)  # a full bridge channel: wait, then try again
 
 
@@ -308,29 +252,37 @@ class InputSender:
     """Input for one live process from one source (an SSH channel, an API call), paced by the
     command: at most ``window`` bytes are sent and not yet written to its stdin, and
     :meth:`send` waits for the rest. The node's bridge says how far it has written (see
-    :mod:`runtime.bridge`) on a channel of this sender's own, so a sender that stops reading
+    :mod:`runtime.node.bridge`) on a channel of this sender's own, so a sender that stops reading
     its client while it waits holds the client back through its transport's own flow control."""
 
     def __init__(self, node_name: str, key: str, *, window: int = INPUT_WINDOW) -> None:
+        # Well under what the node keeps unread, so that a sender alone is never refused.
+        window = min(window, settings.HANGAR_STDIN_PENDING_BYTES // 2)
         self.node_name, self.key, self.window = node_name, key, max(window, INPUT_CHUNK)
         self.ack_every = min(INPUT_ACK_EVERY, self.window // 4)  # several answers per window
         self.sent = 0  # bytes sent to the bridge
         self.written = 0  # of which the bridge has said are written (or moot: the process ended)
         self.asked = 0  # the offset of the last acknowledgement asked for
         self.channel = ""
-        self._layer = _layer()
+        self._layer = channel_layer()
 
     async def send(self, data: bytes, *, whole: bool = False) -> None:
         """Send ``data`` in order, in chunks (``whole``: in one message, which the node takes or
         refuses as a whole). Raises :class:`InputRefused`."""
         pieces = [data] if whole else [data[i : i + INPUT_CHUNK] for i in range(0, len(data), INPUT_CHUNK)]
         for piece in pieces:
+            probe = self.asked <= self.written  # nothing asked for that could answer
             while self.sent - self.written >= self.window:
-                if self.asked <= self.written:  # nothing asked for that could answer
+                if probe:
                     await self._send(streams.INPUT, data=b"", **await self._ask())
-                await self._acked()
+                # An answer lost on the way (a full channel) must not stall the input for good:
+                # ask again after a while (answers carry offsets, so a second one is harmless).
+                probe = not await self._acked(ACK_WAIT_S) or self.asked <= self.written
             self.sent += len(piece)
-            fields: dict[str, Any] = {"data": piece}
+            # Every message names this sender, so that a refusal is always heard of, and says
+            # it is part of one stream (after a refusal, nothing more of it is taken: no gaps).
+            fields: dict[str, Any] = {"data": piece, "ack_to": await self._channel(), "upto": self.sent,
+                                      "stream": True}  # fmt: skip
             if whole or self.sent - self.asked >= self.ack_every:
                 fields.update(await self._ask())
             await self._send(streams.INPUT, **fields)
@@ -340,27 +292,34 @@ class InputSender:
         been within ``timeout`` (it stays queued). Raises :class:`InputRefused`."""
         if self.asked < self.sent:
             await self._send(streams.INPUT, data=b"", **await self._ask())  # acknowledged in order
-        try:
-            async with asyncio.timeout(timeout):
-                while self.written < self.sent:
-                    await self._acked()
-        except TimeoutError:
-            return False
+        deadline = time.monotonic() + timeout
+        while self.written < self.sent:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            await self._acked(left)
         return True
 
-    async def _ask(self) -> dict[str, Any]:
+    async def _channel(self) -> str:
         if not self.channel:
             self.channel = await self._layer.new_channel()
-        self.asked = self.sent
-        return {"ack_to": self.channel, "upto": self.sent}
+        return self.channel
 
-    async def _acked(self) -> None:
-        msg = await self._layer.receive(self.channel)
-        if msg.get("type") != streams.INPUT_ACKED or msg.get("key") != self.key:
-            return
-        if msg.get("refused"):
-            raise InputRefused(input_refused_message())
-        self.written = max(self.written, int(msg.get("upto") or 0))
+    async def _ask(self) -> dict[str, Any]:
+        self.asked = self.sent
+        return {"ack_to": await self._channel(), "upto": self.sent, "ack": True}
+
+    async def _acked(self, timeout: float) -> bool:
+        """Take the node's next answer (False: none came within ``timeout``)."""
+        try:
+            msg = await asyncio.wait_for(self._layer.receive(self.channel), timeout)
+        except TimeoutError:
+            return False
+        if msg.get("type") == streams.INPUT_ACKED and msg.get("key") == self.key:
+            if msg.get("refused"):
+                raise InputRefused(input_refused_message())
+            self.written = max(self.written, int(msg.get("upto") or 0))
+        return True
 
     async def _send(self, kind: str, **fields: Any) -> None:
         await process_send_patiently(node_name=self.node_name, key=self.key, kind=kind, **fields)
@@ -368,7 +327,7 @@ class InputSender:
 
 def signal_number(value: str | int) -> int:
     """``9``, ``"KILL"``, ``"SIGKILL"`` -> 9."""
-    if isinstance(value, int) or (isinstance(value, str) and value.isdigit()):
+    if isinstance(value, int) or (isinstance(value, str) and value.isascii() and value.isdigit()):
         number = int(value)
         if not 1 <= number <= 64:
             raise InvalidValue(f"signal must be between 1 and 64, got {number}")
@@ -384,11 +343,73 @@ def signal_number(value: str | int) -> int:
 # -- following ---------------------------------------------------------------------------------
 
 
-@dataclass
-class FollowTarget:
+@dataclass(frozen=True)
+class ProcessHandle:
+    """One live process (a streamed or background exec, a terminal) as its callers speak to it:
+    follow its output, send it input, resize, signal or kill it. Where it runs and how the
+    messages travel to its node's bridge (:mod:`runtime.streams`) stay behind it.
+
+    ``patient``: a control message waits and tries again while the bridge's channel is full
+    (an SSH session's, which must not be lost) instead of raising ``ChannelFull``."""
+
     node_name: str
     key: str
     row_id: int | str
+    patient: bool = False
+
+    @classmethod
+    def of_exec(cls, sandbox: Sandbox, exec_id: int) -> ProcessHandle:
+        return cls(node_name=_placed_on(sandbox), key=streams.exec_key(exec_id), row_id=exec_id)
+
+    @classmethod
+    def of_terminal(cls, sandbox: Sandbox, terminal_id: str) -> ProcessHandle:
+        return cls(node_name=_placed_on(sandbox), key=streams.terminal_key(terminal_id), row_id=terminal_id)
+
+    def patiently(self) -> ProcessHandle:
+        return replace(self, patient=True)
+
+    def follow(
+        self,
+        *,
+        offset: int = 0,
+        live: bool = False,
+        flow: bool = True,
+        auto_ack: bool = True,
+        follow: bool = True,
+    ) -> ProcessFollow:
+        """Its output (see :class:`ProcessFollow`)."""
+        return ProcessFollow(self, offset=offset, live=live, flow=flow, auto_ack=auto_ack, follow=follow)
+
+    def input_sender(self, *, window: int = INPUT_WINDOW) -> InputSender:
+        """Input paced by the command (see :class:`InputSender`)."""
+        return InputSender(self.node_name, self.key, window=window)
+
+    async def send_input(self, data: bytes, *, ack_to: str, upto: int) -> None:
+        """A client's input, as it comes; a refusal is told on ``ack_to`` (``proc.input_acked``)
+        with ``upto``, the client's count of bytes sent so far. Never lost to a full channel."""
+        await process_send_patiently(node_name=self.node_name, key=self.key, kind=streams.INPUT, data=data,
+                                     ack_to=ack_to, upto=upto)  # fmt: skip
+
+    async def close_input(self) -> None:
+        await self._control(streams.EOF)
+
+    async def resize(self, rows: int, cols: int) -> None:
+        await self._control(streams.RESIZE, rows=rows, cols=cols)
+
+    async def signal(self, value: str | int) -> None:
+        """``value``: a name (``TERM``, ``SIGINT``) or a number; raises :class:`InvalidValue`."""
+        await self._control(streams.SIGNAL, signal=signal_number(value))
+
+    async def kill(self) -> None:
+        await self._control(streams.KILL)
+
+    async def _control(self, kind: str, **fields: Any) -> None:
+        send = process_send_patiently if self.patient else process_send
+        await send(node_name=self.node_name, key=self.key, kind=kind, **fields)
+
+
+def _placed_on(sandbox: Sandbox) -> str:
+    return sandbox.node.name if sandbox.node else ""
 
 
 class ProcessFollow:
@@ -401,21 +422,21 @@ class ProcessFollow:
     progress with :meth:`ack` (a browser acknowledging what xterm.js has rendered)."""
 
     def __init__(
-        self, target: FollowTarget, *, offset: int = 0, live: bool = False, flow: bool = True,
+        self, handle: ProcessHandle, *, offset: int = 0, live: bool = False, flow: bool = True,
         auto_ack: bool = True, follow: bool = True,
     ) -> None:  # fmt: skip
-        self.target = target
+        self.handle = handle
         self.offset = max(0, offset)
         self.live = live
         self.flow = flow
         self.auto_ack = auto_ack
         self.follow = follow  # False: what is there now, then stop (no exit event if still running)
         self.channel = ""
-        self._layer = _layer()
+        self._layer = channel_layer()
         self._acked, self._acked_at = self.offset, time.monotonic()
 
     async def _send(self, kind: str, **fields: Any) -> None:
-        await process_send(node_name=self.target.node_name, key=self.target.key, kind=kind, **fields)
+        await process_send(node_name=self.handle.node_name, key=self.handle.key, kind=kind, **fields)
 
     async def ack(self, offset: int) -> None:
         if self.channel:
@@ -436,7 +457,7 @@ class ProcessFollow:
         # The default prefix on purpose: channels_redis reads all of a process's own channels
         # through one Redis list, and a second prefix would wait forever behind the first.
         self.channel = await layer.new_channel()
-        group = streams.proc_group(self.target.key)
+        group = streams.proc_group(self.handle.key)
         follower = streams.Follower(want=self.offset)
         retried = False
         await layer.group_add(group, self.channel)
@@ -448,7 +469,7 @@ class ProcessFollow:
                 except TimeoutError:
                     # Quiet for long: normal for a busy command, but if its row says it ended
                     # the bridge lost it; ask once more, then report the row's outcome.
-                    ended = await _db(_ended_info)(self.target)
+                    ended = await _db(_ended_info)(self.handle)
                     if ended is not None and retried:
                         follower.done = True
                         yield ("exit", ended)
@@ -460,7 +481,7 @@ class ProcessFollow:
                     if event[0] == "resync":
                         await self._attach(event[1])
                     elif event[0] == "unknown":
-                        async for stored in _stored_output(self.target, follower.want):
+                        async for stored in _stored_output(self.handle, follower.want):
                             yield stored
                         return
                     elif event[0] == "skipped" and self.live:
@@ -480,7 +501,7 @@ class ProcessFollow:
                 await self._send(streams.DETACH, reply=self.channel)
 
 
-def _ended_info(target: FollowTarget) -> dict[str, Any] | None:
+def _ended_info(target: ProcessHandle) -> dict[str, Any] | None:
     if target.key.startswith("x"):
         row = Exec.objects.filter(id=target.row_id).first()
         if row is None or row.status != Exec.Status.RUNNING:
@@ -504,7 +525,7 @@ def _exit_of(row: Exec | None) -> dict[str, Any]:
     return info
 
 
-async def _stored_output(target: FollowTarget, offset: int) -> AsyncIterator[tuple[Any, ...]]:
+async def _stored_output(target: ProcessHandle, offset: int) -> AsyncIterator[tuple[Any, ...]]:
     """What the row kept, for a process its bridge no longer holds (ended long ago, or lost)."""
 
     def load() -> tuple[list[tuple[str, bytes]], dict[str, Any]]:
@@ -555,9 +576,7 @@ def process_record_end(
             stdout_bytes=ring.totals.get("stdout", 0), stderr_bytes=ring.totals.get("stderr", 0),
             error=error, finished_at=now, duration_ms=duration_ms,
         )  # fmt: skip
-        from .runs import run_process_ended
-
-        run_process_ended(exec_id=int(key[1:]))
+        events.process_ended.send(exec_id=int(key[1:]))  # a run's process: the run finishes
     elif key.startswith("t"):
         Terminal.objects.filter(id=key[1:], status=Terminal.Status.RUNNING).update(
             status=Terminal.Status.EXITED if info.get("exit_code") is not None else Terminal.Status.FAILED,

@@ -186,11 +186,13 @@ def check(
         if not amount:
             continue
         limit = eff[key]["limit"]
-        if used[key] + amount > limit + 1e-9:
+        held = used[key]
+        assert held is not None  # what a create asks an amount of is counted, never a bound
+        if held + amount > limit + 1e-9:
             q = QUOTAS[key]
             unit = f" {q.unit}" if q.unit else ""
             raise QuotaExceeded(
-                f"team {team.name} is over its {q.label} quota: {_fmt(used[key])}{unit} in use, "
+                f"team {team.name} is over its {q.label} quota: {_fmt(held)}{unit} in use, "
                 f"{_fmt(amount)}{unit} more asked for, limit {_fmt(limit)}{unit}",
                 quota=key, used=used[key], requested=amount, limit=limit,
             )  # fmt: skip

@@ -19,17 +19,19 @@ from datetime import timedelta
 from typing import Any
 
 from django.conf import settings
-from django.contrib.auth.models import AbstractBaseUser
+from django.contrib.auth.models import User
 from django.db import transaction
 from django.db.models import QuerySet
 from django.utils import timezone
 
-from .. import presets, streams
+from .. import enqueue, presets, streams
 from ..errors import Conflict, InvalidValue, NotFound, ServiceError
 from ..models import Exec, Harness, Run, Sandbox, Team
 from . import audit
 from . import harnesses as harness_svc
-from . import sandboxes as sandbox_svc
+from . import sandbox_io as io_svc
+from .channel_layer import run_with_own_layer
+from .processes import ProcessHandle, process_start
 
 log = logging.getLogger(__name__)
 MAX_PROMPT = 100_000  # one environment string may hold 128 KiB
@@ -54,7 +56,7 @@ def run_get(*, team: Team, run_id: str) -> Run:
 TREE_RE = re.compile(r"[0-9a-f]{40}|[0-9a-f]{64}")
 
 
-def _tree_id(out: bytes) -> str:
+def _tree_id(out: bytes | bytearray) -> str:
     """A git tree id from the tree script's output ("" for anything else: the workspace is
     the agent's, so is whatever git it runs)."""
     text = out.decode("ascii", "replace").strip()
@@ -65,9 +67,7 @@ def _elide(argv: list[str], prompt: str) -> str:
     return shlex.join(["<prompt>" if a == prompt else a for a in argv])
 
 
-def run_create(
-    *, harness: Harness, user: AbstractBaseUser | None, prompt: str, timeout_s: int | None = None
-) -> Run:
+def run_create(*, harness: Harness, user: User | None, prompt: str, timeout_s: int | None = None) -> Run:
     if not isinstance(prompt, str) or not prompt.strip():
         raise InvalidValue("prompt must not be empty")
     if len(prompt.encode()) > MAX_PROMPT or "\0" in prompt:
@@ -93,10 +93,8 @@ def run_create(
 
 
 def _enqueue(task: str, run_id: str) -> None:
-    from .. import tasks
-
     try:
-        getattr(tasks, task).apply_async(args=[run_id], queue="control")
+        enqueue.send(task, [run_id], queue="control")
     except Exception as exc:
         log.error("could not enqueue %s for run %s: %s", task, run_id, exc)
         _end(run_id, Run.Status.FAILED, error=f"the task queue is unreachable: {exc}", frm=Run.ACTIVE)
@@ -112,7 +110,7 @@ def _end(run_id: str, status: str, *, frm: tuple[str, ...], error: str = "", **f
         code = f" (exit code {run.exit_code})" if run.exit_code is not None else ""
         why = f": {error}" if error and status != Run.Status.SUCCEEDED else ""
         harness_svc.harness_log(run.harness, "event", f"run {run.id} {status}{took}{code}{why}", run=run)
-        harness_svc._notify(run.harness)
+        harness_svc.harness_notify(run.harness)
     return bool(done)
 
 
@@ -128,8 +126,6 @@ def run_start(*, run_id: str) -> None:
 
 
 def _run_start(run_id: str) -> None:
-    from .processes import process_start, run_with_own_layer
-
     run = Run.objects.select_related("harness", "harness__team", "created_by").filter(id=run_id).first()
     if run is None or run.status != Run.Status.QUEUED:
         return
@@ -152,9 +148,7 @@ def _run_start(run_id: str) -> None:
         return
     sandbox = Sandbox.objects.select_related("node").get(id=h.sandbox_id)
     try:
-        tree = sandbox_svc.sandbox_exec(
-            sandbox=sandbox, cmd=presets.TREE_SCRIPT, timeout_s=300, keep_output=False
-        )
+        tree = io_svc.sandbox_exec(sandbox=sandbox, cmd=presets.TREE_SCRIPT, timeout_s=300, keep_output=False)
         tree_before = _tree_id(tree.result.stdout) if tree.result.exit_code == 0 else ""
     except ServiceError as exc:
         _end(
@@ -188,7 +182,7 @@ def _run_start(run_id: str) -> None:
         _kill(sandbox, row.id)
         return
     harness_svc.harness_log(h, "event", f"run {run.id} started: {_elide(run.argv, run.prompt)}", run=run)
-    harness_svc._notify(h)
+    harness_svc.harness_notify(h)
     # It may have ended before the run knew its process: then nobody else will finish it.
     if Exec.objects.filter(id=row.id).exclude(status=Exec.Status.RUNNING).exists():
         _enqueue("run_finish", run.id)
@@ -212,12 +206,12 @@ def run_finish(*, run_id: str) -> None:
     sandbox = Sandbox.objects.select_related("node").filter(id=run.harness.sandbox_id).first()
     if run.tree_before and sandbox is not None and sandbox.status == Sandbox.Status.RUNNING:
         try:
-            after = sandbox_svc.sandbox_exec(
+            after = io_svc.sandbox_exec(
                 sandbox=sandbox, cmd=presets.TREE_SCRIPT, timeout_s=300, keep_output=False
             )
             tree_after = _tree_id(after.result.stdout)
             if after.result.exit_code == 0 and tree_after:
-                out = sandbox_svc.sandbox_exec(
+                out = io_svc.sandbox_exec(
                     sandbox=sandbox,
                     cmd=presets.diff_script(run.tree_before, tree_after),
                     timeout_s=300,
@@ -226,7 +220,7 @@ def run_finish(*, run_id: str) -> None:
                 data = out.result.stdout
                 truncated = len(data) > DIFF_MAX_BYTES or out.result.truncated
                 masker = streams.Masker(harness_svc.mask_values(run.harness))
-                data = masker.feed(data[:DIFF_MAX_BYTES]) + masker.flush()
+                data = masker.feed(bytes(data[:DIFF_MAX_BYTES])) + masker.flush()
                 diff = data.decode("utf-8", "replace")
         except ServiceError as exc:
             note = f"; the diff could not be taken: {exc.message}"
@@ -246,17 +240,14 @@ def run_finish(*, run_id: str) -> None:
 
 
 def _kill(sandbox: Sandbox, exec_id: int) -> None:
-    from .processes import process_send, run_with_own_layer
-
     if sandbox.node is None:
         return
-    node = sandbox.node.name
-    run_with_own_layer(lambda: process_send(node_name=node, key=streams.exec_key(exec_id), kind=streams.KILL))
+    run_with_own_layer(ProcessHandle.of_exec(sandbox, exec_id).kill)
 
 
-def run_cancel(*, run: Run) -> tuple[Run, tuple[str, str] | None]:
-    """Cancel the run: a queued one ends at once; a running one is killed (the caller sends
-    the kill to the returned (node, process key)) and ends as cancelled when it exits."""
+def run_cancel(*, run: Run) -> tuple[Run, ProcessHandle | None]:
+    """Cancel the run: a queued one ends at once; a running one is killed (the caller kills
+    the returned process) and ends as cancelled when it exits."""
     if run.status == Run.Status.QUEUED:
         if _end(run.id, Run.Status.CANCELLED, frm=(Run.Status.QUEUED,), error="cancelled before it started"):
             audit.record("run.cancel", team=run.harness.team, target=f"{run.id} in {run.harness.name}")
@@ -272,7 +263,7 @@ def run_cancel(*, run: Run) -> tuple[Run, tuple[str, str] | None]:
     sandbox = run.harness.sandbox
     if run.exec_id is None or sandbox is None or sandbox.node is None:
         return run, None
-    return run, (sandbox.node.name, streams.exec_key(run.exec_id))
+    return run, ProcessHandle.of_exec(sandbox, run.exec_id)
 
 
 def runs_sweep() -> int:

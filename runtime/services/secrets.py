@@ -26,7 +26,7 @@ from django.db import IntegrityError, transaction
 from django.db.models import QuerySet
 
 from ..errors import Conflict, InvalidValue, NotFound
-from ..models import Sandbox, Secret, Team
+from ..models import Harness, Sandbox, Secret, Team
 from . import audit
 
 log = logging.getLogger(__name__)
@@ -75,7 +75,7 @@ def encrypt(value: str) -> bytes:
     return _fernet().encrypt(value.encode())
 
 
-def decrypt(ciphertext: bytes) -> str:
+def decrypt(ciphertext: bytes | memoryview) -> str:
     return _fernet().decrypt(bytes(ciphertext)).decode()
 
 
@@ -163,11 +163,7 @@ def validate_names(*, team: Team, names: list[str], env: dict[str, str]) -> list
 def env_for(sandbox: Sandbox) -> dict[str, str]:
     """The secret environment variables of a sandbox, decrypted (for its node, never stored).
     A secret deleted since the sandbox was created is left out."""
-    out: dict[str, str] = {}
-    if (sandbox.metadata or {}).get("harness"):
-        from .harnesses import sealed_env
-
-        out.update(sealed_env(sandbox))
+    out = harness_env(sandbox)
     if not sandbox.secrets:
         return out
     for name, ciphertext in Secret.objects.filter(
@@ -182,6 +178,26 @@ def env_for(sandbox: Sandbox) -> dict[str, str]:
     return out
 
 
+def harness_env(sandbox: Sandbox) -> dict[str, str]:
+    """The secret variables of a harness's sandbox (decrypted for its node, never stored in the
+    clear): the harness's API token, and the same as OTLP's authorization header. Only the
+    harness whose sandbox this is (``Harness.sandbox``), of its team, counts."""
+    ct = (
+        Harness.objects.filter(sandbox_id=sandbox.id, team_id=sandbox.team_id, deleted_at__isnull=True)
+        .values_list("api_token_ciphertext", flat=True)
+        .first()
+    )
+    if not ct:
+        return {}
+    try:
+        raw = decrypt(bytes(ct))
+    except Exception:
+        log.error("the API token of the harness of sandbox %s cannot be decrypted with the configured keys",
+                  sandbox.id)  # fmt: skip
+        return {}
+    return {"HANGAR_API_TOKEN": raw, "OTEL_EXPORTER_OTLP_HEADERS": f"Authorization=Bearer {raw}"}
+
+
 def secrets_rotate() -> int:
     """Re-encrypt every value under the first key; returns how many were rewritten."""
     f = _fernet()
@@ -190,11 +206,10 @@ def secrets_rotate() -> int:
         rotated = f.rotate(bytes(secret.ciphertext))
         Secret.objects.filter(id=secret.id).update(ciphertext=rotated)
         n += 1
-    from ..models import Harness
-
     for hid, ct in Harness.objects.filter(api_token_ciphertext__isnull=False).values_list(
         "id", "api_token_ciphertext"
     ):
+        assert ct is not None  # filtered above
         Harness.objects.filter(id=hid).update(api_token_ciphertext=f.rotate(bytes(ct)))
         n += 1
     return n

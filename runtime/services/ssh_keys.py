@@ -4,12 +4,13 @@ from __future__ import annotations
 
 from datetime import timedelta
 
-from django.contrib.auth.models import AbstractBaseUser
+from django.contrib.auth.models import User
 from django.db import IntegrityError
 from django.db.models import Q, QuerySet
 from django.utils import timezone
 
-from ..errors import Conflict, Forbidden, InvalidValue, NotFound
+from .. import notify
+from ..errors import Conflict, Forbidden, InvalidValue, NotFound, ServiceError
 from ..models import Harness, Membership, SshKey, Team
 from . import audit
 from .auth import role_at_least
@@ -41,11 +42,11 @@ def parse_public_key(text: str) -> tuple[str, str, str]:
     return f"{line[0]} {line[1]}", key.get_fingerprint("sha256"), comment
 
 
-def ssh_keys_for_user(*, user: AbstractBaseUser) -> QuerySet[SshKey]:
+def ssh_keys_for_user(*, user: User) -> QuerySet[SshKey]:
     return SshKey.objects.filter(user=user).order_by("created_at")
 
 
-def ssh_key_add(*, user: AbstractBaseUser, name: str, public_key: str, team: Team | None = None) -> SshKey:
+def ssh_key_add(*, user: User, name: str, public_key: str, team: Team | None = None) -> SshKey:
     """``team``: the key opens only that team's harnesses (keys registered with an API token,
     which is one team's, are; keys added in the dashboard open all of the user's teams)."""
     line, fingerprint, comment = parse_public_key(public_key)
@@ -62,19 +63,20 @@ def ssh_key_add(*, user: AbstractBaseUser, name: str, public_key: str, team: Tea
     return key
 
 
-def ssh_key_delete(*, user: AbstractBaseUser, key_id: int | str) -> None:
+def ssh_key_delete(*, user: User, key_id: int | str) -> None:
     key = (
         SshKey.objects.filter(user=user)
-        .filter(Q(id=int(key_id)) if str(key_id).isdigit() else Q(name=str(key_id)))
+        .filter(Q(id=int(key_id)) if str(key_id).isascii() and str(key_id).isdigit() else Q(name=str(key_id)))
         .first()
     )
     if key is None:
         raise NotFound(f"you have no SSH key {key_id!r}")
     key.delete()
     audit.record("ssh_key.delete", target=f"{key.fingerprint} of {user.get_username()}", name=key.name)
+    notify.auth_changed([user.pk])  # SSH connections made with it end
 
 
-def ssh_key_user(*, fingerprint: str) -> AbstractBaseUser | None:
+def ssh_key_user(*, fingerprint: str) -> User | None:
     """The active user a key (by SHA256 fingerprint) belongs to, or None; notes its use."""
     key = SshKey.objects.select_related("user").filter(fingerprint=fingerprint).first()
     if key is None or not key.user.is_active:
@@ -85,7 +87,7 @@ def ssh_key_user(*, fingerprint: str) -> AbstractBaseUser | None:
     return key.user
 
 
-def harness_for_ssh(*, user: AbstractBaseUser, target: str, fingerprint: str = "") -> Harness:
+def harness_for_ssh(*, user: User, target: str, fingerprint: str = "") -> Harness:
     """The harness ``target`` (its name, or its id) names among the user's teams. A shell is
     a member's right: viewers are refused. A name held in two of the user's teams is refused
     with the ids to use instead."""
@@ -115,3 +117,18 @@ def harness_for_ssh(*, user: AbstractBaseUser, target: str, fingerprint: str = "
             f"your role in team {h.team.name} is {roles[h.team_id]}; a shell needs member or above"
         )
     return h
+
+
+def ssh_access_ended(*, fingerprint: str, user_id: int, target: str, harness_id: str) -> str:
+    """Why an open SSH connection may no longer go on, or "" while it may: its key deleted, its
+    user deactivated, out of the harness's team or below member there, the harness gone."""
+    key = SshKey.objects.select_related("user").filter(fingerprint=fingerprint, user_id=user_id).first()
+    if key is None:
+        return "the SSH key of this connection was removed"
+    if not key.user.is_active:
+        return "your account is no longer active"
+    try:
+        h = harness_for_ssh(user=key.user, target=target, fingerprint=fingerprint)
+    except ServiceError as exc:
+        return exc.message
+    return "" if h.id == harness_id else f"harness {target!r} changed since you connected"

@@ -144,6 +144,7 @@ def meter(now: datetime | None = None) -> int:
             .filter(status__in=BILLED, metered_at__lt=now)
             .only("id", "team_id", "cpu", "memory_mb", "metered_at")
         ):
+            assert sb.metered_at is not None  # metered_at__lt above
             add(_slices(sb.team_id, sb.metered_at, now, vcpu=sb.cpu, memory_mb=sb.memory_mb))
             Sandbox.objects.filter(id=sb.id).update(metered_at=now)
             n += 1
@@ -152,6 +153,7 @@ def meter(now: datetime | None = None) -> int:
             .filter(holding_disk, disk_metered_at__lt=now)
             .only("id", "team_id", "disk_mb", "disk_metered_at")
         ):
+            assert sb.disk_metered_at is not None  # disk_metered_at__lt above
             add(_slices(sb.team_id, sb.disk_metered_at, now, storage_mb=sb.disk_mb))
             Sandbox.objects.filter(id=sb.id).update(disk_metered_at=now)
             n += 1
@@ -302,6 +304,7 @@ def rates_set(*, team: Team | None, values: dict[str, Any]) -> dict[str, float]:
     """Site administrators: a team's cost rates over the site's (``team`` None: the site's)."""
     values = validate_rates(values)
     with transaction.atomic():
+        row: SiteDefaults | TeamPolicy
         if team is None:
             row, _ = SiteDefaults.objects.select_for_update().get_or_create(id=1)
         else:
@@ -321,6 +324,7 @@ def budgets_warn(now: datetime) -> list[str]:
     month = now.strftime("%Y-%m")
     warned = []
     for policy in TeamPolicy.objects.filter(budget__gt=0).exclude(budget_warned=month).select_related("team"):
+        assert policy.budget is not None  # budget__gt=0 above
         spent = month_cost(policy.team, now)
         if spent >= WARN_AT * policy.budget:
             TeamPolicy.objects.filter(id=policy.id).update(budget_warned=month)

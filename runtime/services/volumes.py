@@ -19,12 +19,13 @@ from django.db import IntegrityError, transaction
 from django.db.models import QuerySet
 
 from ..errors import Conflict, InvalidValue, NodeUnavailable, NotFound
+from ..host.volumes import VolumeError
 from ..launchers.base import Mount
-from ..launchers.volumes import VolumeError
 from ..models import Node, Sandbox, SandboxVolume, Team, Volume
-from ..node import local_node_name, volume_store
+from ..node.local import local_node_name, volume_store
 from . import audit, quotas
 from . import usage as usage_svc
+from .nodes import node_call
 
 log = logging.getLogger(__name__)
 
@@ -207,10 +208,7 @@ def _on_node(volume: Volume, op: str, payload: dict[str, Any], timeout: float = 
             return volume_op(op=op, volume_id=volume.id, payload=payload)
         except VolumeError as exc:
             raise NodeUnavailable(f"volume {op} failed on node {node.name}: {exc}") from None
-    from .. import tasks
-    from .nodes import node_call
-
-    answer = node_call(node, tasks.volume_op, [op, volume.id, payload], timeout)
+    answer = node_call(node, "volume_op", [op, volume.id, payload], timeout)
     if "error" in answer:
         raise NodeUnavailable(f"volume {op} failed on node {node.name}: {answer['error']}")
     return answer

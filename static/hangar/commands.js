@@ -129,7 +129,7 @@
     this.exitEl.appendChild(node);
   };
 
-  // As the server formats it (dashboard/views.py _duration): "850 ms", "12.3 s", "4 min 5 s".
+  // As the server formats it (dashboard/pages/sandbox_tabs.py _duration): "850 ms", "12.3 s", "4 min 5 s".
   function formatDuration(ms) {
     if (ms === null || ms === undefined) return "";
     if (ms < 1000) return Math.round(ms) + " ms";

@@ -18,6 +18,7 @@
 
   function afterLivePush() {
     followJobLog();
+    offerBuiltImage();
     dedupeEvents();
     refreshTabIfStale();
     tickCountdowns();
@@ -28,6 +29,22 @@
   function followJobLog() {
     var log = document.getElementById("job-log");
     if (log) log.scrollTop = log.scrollHeight;
+  }
+
+  // The image a harness needs, built while its form is open: offer it there at once, chosen.
+  function offerBuiltImage() {
+    var job = document.querySelector("#harness-image-job [data-status='succeeded'][data-image]");
+    var select = document.getElementById("h-image");
+    if (!job || !select) return;
+    var name = job.getAttribute("data-image");
+    Array.prototype.slice.call(select.options).forEach(function (o) {
+      if (o.value === "") o.remove(); // the "not built yet" placeholder
+    });
+    var have = Array.prototype.some.call(select.options, function (o) { return o.value === name; });
+    if (!have) select.add(new Option(name, name));
+    select.value = name;
+    var missing = document.getElementById("image-missing");
+    if (missing) missing.hidden = true;
   }
 
   // A socket that reconnects asks again for events after the id it was opened with.

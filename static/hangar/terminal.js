@@ -230,6 +230,9 @@
       this.term.write("\r\n\x1b[2m[" + how + "]\x1b[0m\r\n");
       this.setStatus("exited", how);
       this.el.dataset.exitCode = msg.exit_code === null || msg.exit_code === undefined ? "" : String(msg.exit_code);
+    } else if (msg.type === "error" && /^input refused/.test(msg.message || "") && window.hangarToast) {
+      // The terminal lives on (the shell left too much unread): say so without marking it dead.
+      window.hangarToast(msg.message);
     } else if (msg.type === "error") {
       this.setStatus("error", msg.message || "error");
     }

@@ -18,7 +18,7 @@ import pytest
 from django.db import connection
 from django.utils import timezone
 
-from ..support import wait_until
+from ..support import WORLD_A, wait_until
 from .test_harnesses_api import create, log_text, sh, wait_run, wait_status
 
 pytestmark = pytest.mark.timeout(400)
@@ -251,7 +251,7 @@ def test_the_harness_quota_is_enforced_and_a_refusal_leaves_nothing_behind(api, 
 
 def test_a_private_repository_is_cloned_with_a_token_from_a_secret(api, minimal_image, private_git_server):
     url, _user, token = private_git_server
-    net = {"egress": "allowlist", "allow": ["198.18.0.2:8081"]}
+    net = {"egress": "allowlist", "allow": [f"{WORLD_A}:8081"]}
     # Without the credential: the clone is refused, and says so (git never prompts).
     h = create(api, name="no-token", repo={"url": url}, network=net)
     h = wait_status(api, h["id"], "failed")

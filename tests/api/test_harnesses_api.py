@@ -6,10 +6,15 @@ keep the edit and the git state."""
 from __future__ import annotations
 
 import json
+import re
 import time
 
 import httpx
 import pytest
+from websockets.exceptions import ConnectionClosed
+from websockets.sync.client import connect
+
+from runtime.models import AuditEvent
 
 from ..support import WORLD_A, wait_until
 
@@ -133,6 +138,22 @@ def test_a_repository_is_cloned_a_run_edits_it_and_pause_resume_keeps_the_edit(
     assert added == ["+x", "+x"], second["diff"]  # README.md and from-stdin.txt
 
 
+def test_pause_and_resume_without_a_body_answer_once_done(api, minimal_image):
+    # As for sandboxes, wait is true unless the body says otherwise.
+    h = create(api, name="waits", network={"egress": "none"})
+    wait_status(api, h["id"], "running")
+    r = api.post(f"/harnesses/{h['id']}/pause")
+    assert (
+        r.status_code == 200 and r.json()["status"] == "paused" and r.json()["sandbox_status"] == "paused"
+    ), r.text
+    r = api.post(f"/harnesses/{h['id']}/resume")
+    assert r.status_code == 200 and r.json()["sandbox_status"] == "running", r.text
+    # wait: false answers at once (the pause is usually still under way then).
+    r = api.post(f"/harnesses/{h['id']}/pause", json={"wait": False})
+    assert r.status_code == 200 and r.json()["sandbox_status"] in ("pausing", "paused"), r.text
+    wait_status(api, h["id"], "paused")
+
+
 def test_a_branch_is_checked_out_and_runs_end_failed_timed_out_or_cancelled(api, minimal_image, git_server):
     h = create(api, name="branchy", repo={"url": git_server, "branch": "feature"},
                command='case "$HANGAR_PROMPT" in fail) exit 3;; sleep) sleep 60;; esac; echo ok')  # fmt: skip
@@ -164,7 +185,7 @@ def test_a_branch_is_checked_out_and_runs_end_failed_timed_out_or_cancelled(api,
 def test_bad_input_is_refused_with_reasons(api, minimal_image, other_api):
     cases = [
         ({"name": "Bad Name", "agent": "custom", "command": "x"}, 422, "invalid harness name"),
-        ({"name": "ok", "agent": "gpt-9"}, 422, "unknown agent"),
+        ({"name": "ok", "agent": "gpt-9"}, 422, "agent: Input should be 'claude-code'"),
         ({"name": "ok", "agent": "custom"}, 422, "needs a command"),
         ({"name": "ok", "agent": "claude-code", "command": "x"}, 422, "command is for the custom agent"),
         ({"name": "ok", "agent": "custom", "command": "x", "repo": {"url": "https://u:pw@example.com/r.git"}}, 422,
@@ -195,7 +216,8 @@ def test_other_teams_cannot_see_or_touch_a_harness_and_deleting_keeps_the_volume
     run = api.post(f"/harnesses/{h['id']}/runs", json={"prompt": "x"}).json()
     for method, path in (("GET", f"/harnesses/{h['id']}"), ("GET", "/harnesses/mine"),
                          ("POST", f"/harnesses/{h['id']}/pause"), ("DELETE", f"/harnesses/{h['id']}"),
-                         ("GET", f"/runs/{run['id']}"), ("POST", f"/runs/{run['id']}/cancel"),
+                         ("GET", f"/runs/{run['id']}"), ("GET", f"/runs/{run['id']}/logs"),
+                         ("POST", f"/runs/{run['id']}/cancel"),
                          ("POST", f"/harnesses/{h['id']}/runs")):  # fmt: skip
         r = other_api.request(method, path, json={"prompt": "x"} if path.endswith("/runs") else None)
         assert r.status_code == 404, (method, path, r.status_code)
@@ -226,6 +248,15 @@ def test_other_teams_cannot_see_or_touch_a_harness_and_deleting_keeps_the_volume
                what="the volume deleted with its harness")  # fmt: skip
 
 
+def test_logs_of_an_unknown_run_are_a_404_before_any_byte(api):
+    # A short timeout: a log stream that hangs instead of answering fails here at once.
+    with httpx.Client(base_url=api.base_url, headers=api.headers, timeout=10) as client:
+        r = client.get("/runs/nosuchrun/logs")
+        assert r.status_code == 404 and "no run 'nosuchrun'" in r.json()["detail"]
+        r = client.get("/runs/nosuchrun/logs", params={"offset": "99999999999999999999"})
+        assert r.status_code == 422 and "offset" in r.json()["detail"]
+
+
 # An HTTP request from inside a sandbox with bash alone (the minimal image has no curl).
 BASH_HTTP = r"""
 req() {
@@ -249,6 +280,7 @@ def test_the_agent_reaches_hangars_api_at_hangar_internal_with_its_token(api, mi
         BASH_HTTP
         + 'req GET /api/v1/sandboxes ""; echo; req POST /api/v1/sandboxes \'{"image": "busybox", "wait": true}\'; '
         + f'echo; req PUT /api/v1/sandboxes/{h["sandbox"]}/network \'{{"egress": "all"}}\''
+        + '; echo; echo PAGES; req GET /login/ ""; echo; req POST /admin/login/ ""'
     )
     r = api.post(
         f"/sandboxes/{h['sandbox']}/exec", json={"cmd": ["/bin/bash", "-c", script], "timeout_s": 60}
@@ -257,6 +289,9 @@ def test_the_agent_reaches_hangars_api_at_hangar_internal_with_its_token(api, mi
     assert "HTTP/1.1 200" in out and h["sandbox"] in out, out
     assert "HTTP/1.1 201" in out, out
     assert "HTTP/1.1 403" in out and "cannot change its harness's network" in out, out
+    # Only the API and OTLP pass the node's door: the sign-in page and the admin never answer.
+    pages = out.split("PAGES", 1)[1]
+    assert pages.count("HTTP/1.1 403") == 2 and pages.count("hangar.internal passes only") == 2, pages
     # A terminal opened on the harness's sandbox, wherever from, starts in /workspace.
     from runtime.models import Terminal
 
@@ -277,3 +312,74 @@ def test_the_agent_reaches_hangars_api_at_hangar_internal_with_its_token(api, mi
     assert api.delete(f"/harnesses/{h['id']}").status_code == 204
     r = httpx.get(f"{api.base_url}sandboxes", headers={"Authorization": f"Bearer {token}"})
     assert r.status_code == 401, "a deleted harness's token still works"
+
+
+def hangar_call(
+    api: httpx.Client, sandbox: str, method: str, path: str, body: dict | None = None
+) -> tuple[int, str]:
+    """A request to Hangar's API from inside ``sandbox`` (busybox wget, through hangar.internal,
+    with the harness's own token): its status and body."""
+    post = f"--post-data '{json.dumps(body or {})}' " if method == "POST" else ""
+    cmd = ('wget -S -O - --header "Authorization: Bearer $HANGAR_API_TOKEN" --header "Content-Type: application/json" '
+           f'{post}"$HANGAR_API_URL{path}" 2>&1')  # fmt: skip
+    out = sh(api, sandbox, cmd)["stdout"]
+    statuses = re.findall(r"HTTP/1\.[01] (\d{3})", out)
+    assert statuses, out
+    return int(statuses[-1]), out
+
+
+def test_a_harness_token_reaches_only_its_own_sandbox_and_those_it_creates(api, server):
+    a = create(api, name="agent-a", image="busybox", command="cat", network={"egress": "none"})
+    b = create(api, name="agent-b", image="busybox", command="cat", network={"egress": "none"})
+    a, b = wait_status(api, a["id"], "running"), wait_status(api, b["id"], "running")
+    mine, theirs = a["sandbox"], b["sandbox"]
+    sh(api, theirs, "echo agent-b-credentials > /workspace/creds")
+
+    # From inside harness A, with its own token: harness B's sandbox is not there at all.
+    for method, path, body in (("GET", f"/sandboxes/{theirs}", None),
+                               ("POST", f"/sandboxes/{theirs}/exec", {"cmd": "cat /workspace/creds"}),
+                               ("GET", f"/sandboxes/{theirs}/files?path=/workspace/creds", None),
+                               ("POST", f"/sandboxes/{theirs}/terminals", {}),
+                               ("GET", f"/sandboxes/{theirs}/processes", None)):  # fmt: skip
+        status, out = hangar_call(api, mine, method, path, body)
+        assert status == 404 and "agent-b-credentials" not in out, (method, path, out)
+    # Its own sandbox is.
+    status, out = hangar_call(api, mine, "POST", f"/sandboxes/{mine}/exec", {"cmd": "echo own-$((2+2))"})
+    assert status == 200 and "own-4" in out, out
+    assert hangar_call(api, mine, "GET", f"/sandboxes/{mine}/files/list?path=/workspace")[0] == 200
+    # A sandbox it creates is its own too, and the list shows only what it reaches.
+    status, out = hangar_call(api, mine, "POST", "/sandboxes", {"image": "busybox", "memory_mb": 256})
+    assert status == 201, out
+    made = json.JSONDecoder().raw_decode(out[out.index("{") :])[0]["id"]
+    status, out = hangar_call(api, mine, "POST", f"/sandboxes/{made}/exec", {"cmd": "echo made-$((3+3))"})
+    assert status == 200 and "made-6" in out, out
+    status, out = hangar_call(api, mine, "GET", "/sandboxes")
+    assert status == 200 and mine in out and made in out and theirs not in out, out
+    # Nothing else of the team's: no volumes, harnesses, secrets or tokens, and a sandbox it
+    # creates gets neither the team's other secrets nor a volume (another workspace, say).
+    for path in ("/volumes", "/harnesses", "/secrets", "/tokens"):
+        assert hangar_call(api, mine, "GET", path)[0] == 403, path
+    api.post("/secrets", json={"name": "OTHER_KEY", "value": "not-for-agent-a"})
+    assert (
+        hangar_call(api, mine, "POST", "/sandboxes", {"image": "busybox", "secrets": ["OTHER_KEY"]})[0] == 403
+    )
+    body = {"image": "busybox", "volumes": [{"volume": b["volume_name"], "mount_path": "/mnt"}]}
+    assert hangar_call(api, mine, "POST", "/sandboxes", body)[0] == 403
+
+    # busybox wget shows no error's body: the audited refusals say why.
+    def refused() -> str:
+        return " ".join(AuditEvent.objects.filter(action="api.refused").values_list("message", flat=True))
+
+    wait_until(lambda: "only its harness's secrets" in refused() and "cannot attach volumes" in refused(), 10,
+               what="the refusals audited")  # fmt: skip
+    # The same holds on websockets: harness B's sandbox is not found for A's token.
+    token = sh(api, mine, "echo $HANGAR_API_TOKEN")["stdout"].strip()
+    url = server.replace("http://", "ws://") + f"/ws/v1/sandboxes/{theirs}/exec"
+    with connect(url, additional_headers={"Authorization": f"Bearer {token}"}, open_timeout=20) as ws:
+        with pytest.raises(ConnectionClosed) as closed:  # accepted, then closed: not this token's
+            while True:
+                ws.recv(timeout=15)
+        assert closed.value.rcvd is not None and closed.value.rcvd.code == 4404
+    with connect(url.replace(theirs, made), additional_headers={"Authorization": f"Bearer {token}"}) as ws:
+        ws.send(json.dumps({"cmd": "echo via-socket"}))
+        assert json.loads(ws.recv(timeout=15))["type"] == "start"

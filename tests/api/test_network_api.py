@@ -102,7 +102,7 @@ def test_a_sandbox_with_a_network_is_checkpointed_and_restored_with_it(api, worl
     # The node's reconciliation leaves a paused sandbox's addresses alone: it needs them back.
     from django.conf import settings
 
-    from runtime.services.sandboxes import node_reconcile
+    from runtime.node.sandboxes import node_reconcile
 
     assert sid not in node_reconcile(node_name=settings.HANGAR_NODE_NAME)["networks_removed"]
     r = api.put(f"/sandboxes/{sid}/network", json={"egress": "allowlist", "allow": [f"{WORLD_B}:8080"]})
@@ -124,8 +124,8 @@ def test_a_sandbox_with_a_network_is_checkpointed_and_restored_with_it(api, worl
     # Gone with it: namespace, rules and addresses.
     assert api.delete(f"/sandboxes/{sid}").status_code in (200, 202, 204)
     wait_until(lambda: api.get(f"/sandboxes/{sid}").json()["status"] == "deleted", 30, what="delete")
-    from runtime.node import launcher_for
+    from runtime.node.local import launcher_for
 
     assert launcher_for("gvisor").network.lease_of(sid) is None
-    assert f"sb_{sid}" not in subprocess.run(["nft", "list", "table", "inet", "hangar"], capture_output=True,
+    assert f"sb_{sid}" not in subprocess.run(["nft", "list", "table", "inet", launcher_for("gvisor").names.table], capture_output=True,
                                              text=True).stdout  # fmt: skip

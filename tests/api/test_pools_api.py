@@ -74,7 +74,7 @@ def test_pool_input_errors_are_explained(api, pool):
     r = api.post("/pools", json={"image": "busybox", "memory_mb": 256, "size": 2})
     assert r.status_code == 409 and pool["id"] in r.json()["detail"]
     r = api.post("/pools", json={"image": "busybox", "size": 0})
-    assert r.status_code == 422 and "size must be between 1" in r.json()["detail"]
+    assert r.status_code == 422 and "size: Input should be greater than or equal to 1" in r.json()["detail"]
     r = api.post("/pools", json={"image": "nope", "size": 1})
     assert r.status_code == 400 and "unknown image" in r.json()["detail"]
     r = api.patch(f"/pools/{pool['id']}", json={"size": 1})
@@ -97,8 +97,10 @@ def test_a_pool_with_networks_serves_creates_that_ask_for_egress(api, world):
         wait_until(lambda: ready(api, pool_id) == 1, 60, what="the pool to fill")
         member = Sandbox.objects.get(pool_id=pool_id, claimed_at__isnull=True)
         # Started with a network, nothing let out yet.
-        assert f"hangar-{member.id}" in subprocess.run(["ip", "netns", "list"], capture_output=True,
-                                                       text=True).stdout  # fmt: skip
+        from runtime.node.local import launcher_for
+
+        netns = launcher_for("gvisor").names.netns_prefix + member.id
+        assert netns in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
         plain = create(api, memory_mb=256)
         assert plain["pool"] is None  # no network asked for: not this pool's
 
@@ -144,7 +146,11 @@ def test_a_member_that_cannot_take_the_network_policy_is_dropped_and_the_create_
         raise LauncherError("nft: no such chain (simulated)")
 
     monkeypatch.setattr(svc, "sandbox_network_apply", refuse)
-    sb = svc.sandbox_create(team=team, user=None, image="busybox", memory_mb=256, network={"egress": "all"})
+    sb = svc.sandbox_create(
+        team=team,
+        user=None,
+        request=svc.SandboxRequest(image="busybox", memory_mb=256, network={"egress": "all"}),
+    )
     assert sb.id != member.id and sb.pool_id is None and sb.network == {"egress": "all", "allow": []}
     member.refresh_from_db()
     assert member.status in ("stopping", "deleted")

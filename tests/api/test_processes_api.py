@@ -179,6 +179,23 @@ def test_live_processes_end_when_the_sandbox_is_deleted(api, sandbox):
     assert term["id"]
 
 
+def test_a_process_is_addressed_by_its_id_and_its_pid_is_refused_naming_the_id(api, sandbox, server):
+    proc = api.post(f"/sandboxes/{sandbox}/exec", json={"cmd": "sleep 5", "background": True}).json()
+    assert api.get(f"/sandboxes/{sandbox}/processes/{proc['id']}").json()["pid"] == proc["pid"]
+    if proc["pid"] != proc["id"]:
+        r = api.get(f"/sandboxes/{sandbox}/processes/{proc['pid']}")
+        assert r.status_code == 404, r.text
+        assert (
+            f"{proc['pid']} is the pid of process {proc['id']}; paths take the process's id"
+            in r.json()["detail"]
+        )
+    # The OpenAPI document says the same of the path's parameter.
+    paths = httpx.get(f"{server}/api/v1/openapi.json").json()["paths"]
+    params = paths["/api/v1/sandboxes/{sandbox_id}/processes/{process_id}"]["get"]["parameters"]
+    described = {p["name"]: p.get("description", "") for p in params}
+    assert "not its `pid`" in described["process_id"]
+
+
 def test_process_errors_are_client_errors(api, sandbox, other_api):
     r = api.post(f"/sandboxes/{sandbox}/exec", json={"cmd": ["/no/such/binary"], "stream": True})
     assert r.status_code == 422 and "/no/such/binary" in r.json()["detail"]
@@ -194,6 +211,22 @@ def test_process_errors_are_client_errors(api, sandbox, other_api):
     # A run-to-completion exec is history, not a live process.
     ran = api.post(f"/sandboxes/{sandbox}/exec", json={"cmd": "true"}).json()
     assert api.post(f"/sandboxes/{sandbox}/processes/{ran['id']}/signal", json={}).status_code == 409
+
+
+def test_a_follow_that_cannot_be_served_is_refused_before_its_first_byte(api, sandbox, other_api):
+    proc = api.post(f"/sandboxes/{sandbox}/exec", json={"cmd": "echo hi", "background": True}).json()
+    url = f"/sandboxes/{sandbox}/processes/{proc['id']}/output"
+    # A short timeout: a stream that hangs instead of answering fails here at once.
+    with httpx.Client(base_url=api.base_url, headers=api.headers, timeout=10) as client:
+        for offset in ("99999999999999999999", str(2**53), "-1", "x"):
+            r = client.get(url, params={"offset": offset})
+            assert r.status_code == 422 and "offset" in r.json()["detail"], (offset, r.text)
+        r = client.get(f"/sandboxes/{sandbox}/processes/999999/output")
+        assert r.status_code == 404 and "no process" in r.json()["detail"]
+        assert other_api.get(url, timeout=10).status_code == 404
+        # The largest offset there is: nothing to send, and the exit.
+        events = ndjson(client, "GET", url, params={"offset": 2**53 - 1})
+        assert [e["type"] for e in events] == ["exit"]
 
 
 def test_terminals_api_create_list_close(api, sandbox, other_api):
@@ -228,6 +261,6 @@ def test_stop_and_keepalive(api, sandbox):
 
 
 def launcher_ids() -> list[str]:
-    from runtime.node import launcher_for
+    from runtime.node.local import launcher_for
 
-    return launcher_for("gvisor").list()
+    return list(launcher_for("gvisor").states())

@@ -31,7 +31,7 @@ def call(method: str, path: str, raw: str, body: dict | None = None):
     r = Client().generic(method, f"/api/v1{path}", data=json.dumps(body or {}), content_type="application/json",
                          HTTP_AUTHORIZATION=f"Bearer {raw}")  # fmt: skip
     ctype = r.get("Content-Type", "")
-    content = b"".join(r.streaming_content) if r.streaming else r.content
+    content = b"".join(r) if r.streaming else r.content
     return r.status_code, (json.loads(content) if content and "json" in ctype else content.decode())
 
 
@@ -401,6 +401,23 @@ def test_the_audit_csv_cannot_smuggle_spreadsheet_formulas(team):
     admin = raw(team, "c-admin")
     text = call("GET", "/audit?format=csv&action=volume.", admin)[1]
     assert "'=HYPERLINK" in text
+
+
+def test_an_audit_export_longer_than_a_page_comes_whole_in_order(team):
+    from runtime.services import audit
+
+    AuditEvent.objects.bulk_create(
+        [AuditEvent(team_id_ref=team.id, team_name=team.name, via="system", action="volume.create", target=f"v{i}")
+         for i in range(int(audit.CSV_PAGE * 2.5))]
+    )  # fmt: skip
+    admin = raw(team, "c-admin")
+    rows = list(csv.reader(io.StringIO(call("GET", "/audit?format=csv&action=volume.", admin)[1])))
+    ids = [int(r[0]) for r in rows[1:]]
+    assert (
+        len(ids) == int(audit.CSV_PAGE * 2.5)
+        and ids == sorted(ids, reverse=True)
+        and len(set(ids)) == len(ids)
+    )
 
 
 # -- invitations ------------------------------------------------------------------------------

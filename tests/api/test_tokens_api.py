@@ -65,9 +65,9 @@ def test_a_token_cannot_outrank_its_user_and_scopes_are_checked(team):
     status, body = call("POST", "/tokens", member, {"role": "admin"})
     assert status == 403 and "cannot be higher" in body["detail"]
     status, body = call("POST", "/tokens", member, {"scopes": ["sandboxes:destroy"]})
-    assert status == 422 and "unknown scope" in body["detail"]
+    assert status == 422 and body["detail"].startswith("scopes.0: Input should be 'sandboxes:read'")
     status, body = call("POST", "/tokens", member, {"role": "emperor"})
-    assert status == 422 and "unknown role" in body["detail"]
+    assert status == 422 and body["detail"] == "role: Input should be 'viewer', 'member', 'admin' or 'owner'"
     # An admin's token issued as a viewer is a viewer's.
     viewer_of_admin = raw_for(team, "t-admin", role="viewer")
     status, body = call("POST", "/volumes", viewer_of_admin, {"name": "v", "size_mb": 16})
@@ -76,6 +76,64 @@ def test_a_token_cannot_outrank_its_user_and_scopes_are_checked(team):
     admin = raw_for(team, "t-admin")
     Membership.objects.filter(user__username="t-admin").update(role="viewer")
     assert call("POST", "/volumes", admin, {"name": "v", "size_mb": 16})[0] == 403
+
+
+def test_a_token_cannot_mint_a_stronger_token(team):
+    owner = get_user_model().objects.create_user(username="t-owner", password="x")
+    Membership.objects.create(user=owner, team=team, role="owner")
+    # An owner's token issued as a viewer makes no owner (nor admin) token, and so no owner
+    # invitation; by default it makes one like itself.
+    viewer_of_owner = raw_for(team, "t-owner", role="viewer", scopes=["tokens:write", "teams:*"])
+    for role in ("owner", "admin", "member"):
+        status, body = call("POST", "/tokens", viewer_of_owner, {"role": role, "scopes": ["teams:*"]})
+        assert status == 403 and f"role {role} (this token acts as viewer)" in body["detail"], body
+    status, made = call("POST", "/tokens", viewer_of_owner, {"scopes": ["teams:*"]})
+    assert status == 201 and made["role"] == "viewer", made
+    status, _ = call("POST", f"/teams/{team.id}/invitations", made["token"], {"role": "owner"})
+    assert status == 403
+    # A scoped token makes no unscoped token (no scopes: all), nor one with scopes it lacks.
+    scoped = raw_for(team, "t-member", scopes=["sandboxes:read", "tokens:write"])
+    status, body = call("POST", "/tokens", scoped, {})
+    assert (
+        status == 403 and "all scopes" in body["detail"] and "sandboxes:read, tokens:write" in body["detail"]
+    )
+    for scopes in (["sandboxes:write"], ["sandboxes:*"], ["admin"], ["sandboxes:read", "volumes:read"]):
+        status, body = call("POST", "/tokens", scoped, {"scopes": scopes})
+        assert status == 403 and scopes[-1] in body["detail"], (scopes, body)
+    status, made = call("POST", "/tokens", scoped, {"scopes": ["sandboxes:read"]})
+    assert status == 201 and made["scopes"] == ["sandboxes:read"]
+    assert call("POST", f"/sandboxes/{'sb' + 'x' * 16}/exec", made["token"], {"cmd": "id"})[0] == 403
+    # Within its scopes it may narrow them: sandboxes:* (or write) covers sandboxes:read and *.
+    for held in (["sandboxes:*", "tokens:write"], ["sandboxes:write", "tokens:*"]):
+        caller = raw_for(team, "t-member", scopes=held)
+        for scopes in (["sandboxes:read"], ["sandboxes:*"], ["sandboxes:write", "tokens:write"]):
+            assert call("POST", "/tokens", caller, {"scopes": scopes})[0] == 201, (held, scopes)
+    # admin (or no scopes) covers everything.
+    assert call("POST", "/tokens", raw_for(team, "t-member", scopes=["admin"]), {})[0] == 201
+    # A token that expires makes none that outlives it; by default its own expiry is taken.
+    short = raw_for(team, "t-member", expires_in_s=600)
+    short_expiry = ApiToken.objects.get(prefix=short[:12]).expires_at
+    status, body = call("POST", "/tokens", short, {"expires_in_s": 3600})
+    assert status == 403 and "a life past this token's own" in body["detail"]
+    status, made = call("POST", "/tokens", short, {})
+    assert status == 201 and ApiToken.objects.get(id=made["id"]).expires_at == short_expiry
+    assert call("POST", "/tokens", short, {"expires_in_s": 60})[0] == 201
+    # The dashboard's token form is bounded by the user's membership, as before.
+    with pytest.raises(auth_svc.Forbidden):
+        auth_svc.token_create(user=get_user_model().objects.get(username="t-member"), team=team, role="admin")
+
+
+def test_a_site_administrators_token_acts_in_other_teams_within_its_own_role(team):
+    staff = get_user_model().objects.create_user(username="t-staff", password="x", is_staff=True)
+    Membership.objects.create(user=staff, team=team, role="owner")
+    other = Team.objects.create(name="elsewhere")
+    as_admin = raw_for(team, "t-staff", role="admin")
+    status, body = call("POST", f"/teams/{other.id}/invitations", as_admin, {"role": "owner"})
+    assert status == 403 and "only an owner can invite an owner" in body["detail"], body
+    assert call("POST", f"/teams/{other.id}/invitations", as_admin, {"role": "admin"})[0] == 201
+    assert (
+        call("POST", f"/teams/{other.id}/invitations", raw_for(team, "t-staff"), {"role": "owner"})[0] == 201
+    )
 
 
 def test_members_see_and_revoke_their_own_tokens_admins_all(team):
@@ -149,8 +207,38 @@ def test_members_roles_and_the_last_owner(team):
     assert call("GET", f"/teams/{other.id}/members", adm)[0] == 404
 
 
+def test_a_removed_member_s_tokens_are_revoked_and_stay_revoked_if_they_come_back(team):
+    from runtime.models import AuditEvent
+
+    admin = raw_for(team, "t-admin")
+    member = raw_for(team, "t-member")
+    member_id = ApiToken.objects.get(prefix=member[:12]).id
+    url = f"/teams/{team.id}/members"
+    assert call("DELETE", f"{url}/t-member", admin)[0] == 204
+    listed = {t["id"]: t for t in call("GET", "/tokens", admin)[1]}
+    assert listed[member_id]["revoked_at"] is not None, listed
+    assert AuditEvent.objects.filter(action="token.revoke", target__startswith=f"token {member_id} ").exists()
+    # Added again: the old token stays dead (a new one must be made).
+    assert call("POST", url, admin, {"username": "t-member", "role": "member"})[0] == 201
+    assert call("GET", "/sandboxes", member)[0] == 401
+    # Leaving the team does the same.
+    again = raw_for(team, "t-member")
+    assert call("DELETE", f"{url}/t-member", again)[0] == 204
+    assert call("POST", url, admin, {"username": "t-member", "role": "member"})[0] == 201
+    assert call("GET", "/sandboxes", again)[0] == 401
+    assert ApiToken.objects.get(prefix=again[:12]).revoked_at is not None
+    # Tokens of the member in other teams are theirs to keep.
+    other = Team.objects.create(name="other")
+    Membership.objects.create(
+        user=get_user_model().objects.get(username="t-member"), team=other, role="member"
+    )
+    elsewhere = raw_for(other, "t-member")
+    assert call("DELETE", f"{url}/t-member", admin)[0] == 204
+    assert call("GET", "/sandboxes", elsewhere)[0] == 200
+
+
 def test_websockets_obey_token_roles_and_scopes(team):
-    from dashboard.consumers import _identity
+    from dashboard.websockets.consumers import _identity
 
     def who(raw: str):
         return _identity({"api_token": auth_svc.token_authenticate(raw), "token_presented": True})

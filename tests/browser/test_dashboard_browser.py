@@ -13,7 +13,7 @@ from collections.abc import Iterator
 import pytest
 
 from tests.conftest import ARTIFACTS
-from tests.support import requires_runsc
+from tests.support import WORLD_A, requires_runsc
 
 sync_api = pytest.importorskip("playwright.sync_api", reason="the test extra (pip install -e '.[test]')")
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
@@ -232,7 +232,7 @@ def test_create_a_harness_open_its_terminal_in_workspace_and_run_a_task(page, mi
     page.fill("#h-disk", "256")
     page.fill("#h-repo", git_server)
     page.select_option("#h-egress", "allowlist")
-    page.fill("#h-allow", "198.18.0.2:9418")
+    page.fill("#h-allow", f"{WORLD_A}:9418")
     page.click("#harness-create")
     page.wait_for_url(re.compile(r"/harnesses/hr[0-9a-z]+/"))
     # The page follows it until it runs; the log shows the clone.
@@ -258,3 +258,31 @@ def test_create_a_harness_open_its_terminal_in_workspace_and_run_a_task(page, mi
     page.wait_for_selector('[data-run-status="succeeded"]', timeout=120_000)
     page.wait_for_selector("#run-diff :text('+write the task down')")
     page.screenshot(path=SHOTS / "22-run.png")
+
+
+def test_the_harness_form_follows_a_build_of_its_image_and_offers_it_once_built(page, local_node):
+    """The build itself is the image job's (a real one runs in tests/api/test_images_api.py);
+    here one of base is under way, its row made directly and its progress written by the code a
+    node's job writes with, and the form open in a member's browser follows it."""
+    from runtime.models import ImageJob
+    from runtime.node.local import image_store
+    from runtime.services.images import _finish, _JobLog, image_register
+
+    sign_in(page)
+    page.goto("/harnesses/?new=1")
+    assert "The base image is not built on this Hangar yet" in page.inner_text("#image-missing")
+    assert "hangar image build base" in page.inner_text("#ask-admin")
+    job = ImageJob.objects.create(kind="build", ref="base", node=local_node, status="running")
+    page.goto("/harnesses/?new=1")
+    page.wait_for_selector("#harness-image-job #job-view[data-status='running']")
+    log = _JobLog(job.id)
+    log("I: installing remaining packages inside the chroot...")
+    log.flush()
+    page.wait_for_selector("#job-log:has-text('installing remaining packages')")
+    page.screenshot(path=SHOTS / "23-harness-image-building.png")
+    # The build's result (busybox's tree stands in for Debian's: only the rows matter here).
+    _finish(job.id, image=image_register(info=image_store().get("busybox"), name="base"))
+    page.wait_for_selector("#job-view[data-status='succeeded']")
+    assert page.input_value("#h-image") == "base"
+    assert page.is_hidden("#image-missing")
+    page.screenshot(path=SHOTS / "24-harness-image-built.png")

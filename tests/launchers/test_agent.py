@@ -22,11 +22,11 @@ from pathlib import Path
 
 import pytest
 
-from runtime.launchers import agent_client
 from runtime.launchers.agent import build
+from runtime.launchers.agent import client as agent_client
 from runtime.launchers.agent.build import AgentBuildError, agent_binary
-from runtime.launchers.agent_client import (
-    AgentClient,
+from runtime.launchers.agent.client import AgentClient
+from runtime.launchers.agent.protocol import (
     AgentError,
     AgentFileError,
     AgentUnavailable,
@@ -852,7 +852,7 @@ def test_sigterm_stops_the_agent_and_its_commands(agent_bin: Path, tmp_path: Pat
 def test_quiesce_detaches_live_commands_ends_the_rest_and_reattach_continues_them(
     agent_bin: Path, tmp_path: Path
 ) -> None:
-    from runtime.launchers.agent_client import AgentDetached
+    from runtime.launchers.agent.protocol import AgentDetached
 
     running = start_agent(agent_bin, tmp_path)
     try:

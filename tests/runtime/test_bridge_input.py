@@ -14,10 +14,11 @@ from collections.abc import Iterator
 import pytest
 from channels.layers import InMemoryChannelLayer
 
-from runtime import bridge as bridge_mod
 from runtime import streams
 from runtime.launchers.base import Process, ProcessExit
+from runtime.node import bridge as bridge_mod
 from runtime.services import processes as proc_svc
+from runtime.services.channel_layer import LAYER
 
 NODE = "node-in"
 
@@ -32,16 +33,19 @@ class SlowReader(Process):
         self.reading = threading.Event()
         self.received = bytearray()
         self.closed = threading.Event()
+        self.lock = threading.Lock()
+        self.signals: list[int] = []
 
     def events(self) -> Iterator[tuple[str, bytes | ProcessExit]]:
         self.closed.wait()
         yield ("exit", ProcessExit(exit_code=0, signal=0, timed_out=False))
 
     def send_stdin(self, data: bytes) -> None:
-        while not self.reading.wait(0.05):
-            if self.closed.is_set():
-                raise OSError("the process ended")
-        self.received += data
+        with self.lock:  # as the agent's connection: no other frame passes a write in progress
+            while not self.reading.wait(0.05):
+                if self.closed.is_set():
+                    raise OSError("the process ended")
+            self.received += data
 
     def close_stdin(self) -> None:
         pass
@@ -50,7 +54,10 @@ class SlowReader(Process):
         pass
 
     def send_signal(self, sig: int) -> None:
-        pass
+        with self.lock:
+            if self.closed.is_set():
+                raise OSError("the process ended")
+            self.signals.append(sig)
 
     def close(self) -> None:
         self.closed.set()
@@ -76,7 +83,7 @@ def rig(monkeypatch):
 
 async def _start(process: SlowReader) -> tuple[bridge_mod.Bridge, asyncio.Task, object]:
     layer = InMemoryChannelLayer(capacity=1000)
-    proc_svc._LAYER.set(layer)
+    LAYER.set(layer)
     bridge = bridge_mod.Bridge(NODE, layer)
     bridge.loop = asyncio.get_running_loop()
 
@@ -145,9 +152,14 @@ def test_unread_input_past_the_nodes_bound_is_refused_not_kept(rig):
         await sender.send(b"z" * 65536, whole=True)
         with pytest.raises(proc_svc.InputRefused, match="has not read the input it was sent"):
             await sender.drain(5)
-        # Once the command reads, input is taken again.
+        # Once the command reads, input is taken again; but not more of a stream that was cut
+        # (it would go in with a gap).
         rig.reading.set()
         await asyncio.sleep(0.3)
+        await sender.send(b"rest", whole=True)
+        with pytest.raises(proc_svc.InputRefused):
+            await sender.drain(5)
+        assert not bytes(rig.received).endswith(b"rest")
         sender = proc_svc.InputSender(NODE, "x1")
         await sender.send(b"after", whole=True)
         assert await sender.drain(5)
@@ -173,6 +185,32 @@ def test_a_sender_waiting_on_a_command_that_ends_is_let_go(rig):
                 break
             await asyncio.sleep(0.05)
         assert bridge.procs["x1"].stdin_pending == 0
+        await _finish(rig, bridge, task)
+
+    asyncio.run(main())
+
+
+def test_a_kill_gets_through_to_a_command_whose_connection_is_held_by_unread_input(rig, monkeypatch):
+    """The kill cannot pass the write in progress (the agent reads no frame past it): the
+    bridge hangs up after a moment, which ends the command, and its loop never waits."""
+    monkeypatch.setattr(bridge_mod, "KILL_WAIT_S", 0.5)
+
+    async def main() -> None:
+        bridge, task, layer = await _start(rig)
+        await proc_svc.process_send(node_name=NODE, key="x1", kind=streams.INPUT, data=b"w" * 4096)
+        await asyncio.sleep(0.2)  # the write is under way, and blocked
+        started = asyncio.get_running_loop().time()
+        await proc_svc.process_send(node_name=NODE, key="x1", kind=streams.KILL)
+        # Meanwhile the bridge answers others at once.
+        probe = proc_svc.InputSender(NODE, "gone")
+        await probe.send(b"x", whole=True)
+        assert await probe.drain(0.3)
+        for _ in range(60):
+            if bridge.procs["x1"].exit is not None:
+                break
+            await asyncio.sleep(0.05)
+        assert bridge.procs["x1"].exit is not None and rig.closed.is_set()
+        assert asyncio.get_running_loop().time() - started < 2.5
         await _finish(rig, bridge, task)
 
     asyncio.run(main())

@@ -14,10 +14,14 @@ from django.utils import timezone
 from runtime import lifecycle
 from runtime.errors import Conflict, NoCapacity
 from runtime.models import Image, Node, Sandbox, Team
-from runtime.node import launcher_for
+from runtime.node import sandboxes as node_svc
+from runtime.node.local import launcher_for
+from runtime.services import sandbox_calls as calls_svc
+from runtime.services import sandbox_io as io_svc
 from runtime.services import sandboxes as svc
 from runtime.services.nodes import node_pick, node_register, nodes_mark_offline
-from tests.support import requires_runsc, wait_until
+from runtime.services.sandbox_access import RemoteAccess, sandbox_access
+from tests.support import GVISOR, requires_runsc, wait_until
 
 S = Sandbox.Status
 
@@ -28,9 +32,8 @@ def team(transactional_db):
 
 
 def _create(team, **kw):
-    sandbox = svc.sandbox_create(
-        team=team, user=None, image="busybox", memory_mb=kw.pop("memory_mb", 256), **kw
-    )
+    spec = svc.SandboxRequest(image="busybox", memory_mb=kw.pop("memory_mb", 256), **kw)
+    sandbox = svc.sandbox_create(team=team, user=None, request=spec)
     return svc.sandbox_wait(sandbox=sandbox, timeout=60)
 
 
@@ -81,8 +84,8 @@ def test_activity_pushes_expiry_out_but_never_in(transactional_db, team):
 
 
 def test_scheduler_picks_the_node_with_most_room(transactional_db, team):
-    small = node_register(name="small", runtimes=["gvisor"], cpu=2, memory_mb=1024)
-    big = node_register(name="big", runtimes=["gvisor"], cpu=2, memory_mb=8192)
+    small = node_register(name="small", launchers=GVISOR, cpu=2, memory_mb=1024)
+    big = node_register(name="big", launchers=GVISOR, cpu=2, memory_mb=8192)
     image = _image(small, big)
     assert node_pick(runtime="gvisor", cpu=1, memory_mb=512, image=image) == big
     Sandbox.objects.create(
@@ -92,7 +95,7 @@ def test_scheduler_picks_the_node_with_most_room(transactional_db, team):
 
 
 def test_scheduler_refuses_when_no_node_has_room(transactional_db, team):
-    node = node_register(name="n1", runtimes=["gvisor"], cpu=1, memory_mb=1024)
+    node = node_register(name="n1", launchers=GVISOR, cpu=1, memory_mb=1024)
     image = _image(node)
     Sandbox.objects.create(
         team=team, image="img", image_digest="sha256:abc", node=node, memory_mb=1000, status=S.RUNNING
@@ -108,8 +111,8 @@ def test_scheduler_skips_nodes_short_of_disk_and_heartbeats_report_it(transactio
     from runtime.services.nodes import local_disk_free_mb, node_heartbeat
 
     settings.HANGAR_NODE_MIN_FREE_DISK_MB = 2048
-    full = node_register(name="full", runtimes=["gvisor"], cpu=4, memory_mb=65536, disk_free_mb=100)
-    roomy = node_register(name="roomy", runtimes=["gvisor"], cpu=4, memory_mb=4096, disk_free_mb=50_000)
+    full = node_register(name="full", launchers=GVISOR, cpu=4, memory_mb=65536, disk_free_mb=100)
+    roomy = node_register(name="roomy", launchers=GVISOR, cpu=4, memory_mb=4096, disk_free_mb=50_000)
     image = _image(full, roomy)
     assert node_pick(runtime="gvisor", cpu=1, memory_mb=256, image=image) == roomy  # not the one with memory
     Node.objects.filter(id=roomy.id).update(disk_free_mb=1000)
@@ -124,8 +127,8 @@ def test_scheduler_skips_nodes_short_of_disk_and_heartbeats_report_it(transactio
 
 
 def test_scheduler_skips_nodes_without_the_image_or_heartbeat(transactional_db):
-    holder = node_register(name="holder", runtimes=["gvisor"], cpu=4, memory_mb=4096)
-    node_register(name="other", runtimes=["gvisor"], cpu=4, memory_mb=65536)
+    holder = node_register(name="holder", launchers=GVISOR, cpu=4, memory_mb=4096)
+    node_register(name="other", launchers=GVISOR, cpu=4, memory_mb=65536)
     image = _image(holder)
     assert node_pick(runtime="gvisor", cpu=1, memory_mb=256, image=image) == holder
     Node.objects.filter(name="holder").update(heartbeat_at=timezone.now() - timedelta(minutes=10))
@@ -141,10 +144,10 @@ def test_scheduler_skips_nodes_without_the_image_or_heartbeat(transactional_db):
 def test_duplicate_provision_tasks_are_harmless(celery_worker, local_node, team):
     sb = _create(team)
     assert sb.status == S.RUNNING
-    svc.sandbox_provision(sandbox_id=sb.id)  # a redelivered task
+    node_svc.node_sandbox_start(sandbox_id=sb.id)  # a redelivered task
     sb.refresh_from_db()
     assert sb.status == S.RUNNING
-    assert launcher_for("gvisor").list().count(sb.id) == 1
+    assert sb.id in launcher_for("gvisor").states()
 
 
 @requires_runsc
@@ -154,7 +157,7 @@ def test_expired_sandboxes_are_stopped_and_destroyed(celery_worker, local_node, 
     time.sleep(1.2)
     assert svc.sandboxes_reap_expired() == 1
     wait_until(lambda: Sandbox.objects.get(id=sb.id).status == S.DELETED, 30, what="deleted")
-    assert sb.id not in launcher_for("gvisor").list()
+    assert sb.id not in launcher_for("gvisor").states()
     assert sb.events.filter(message__startswith="expired").exists()
 
 
@@ -162,27 +165,58 @@ def test_expired_sandboxes_are_stopped_and_destroyed(celery_worker, local_node, 
 def test_reconcile_removes_runtime_sandboxes_no_row_owns(celery_worker, local_node, team):
     sb = _create(team)
     Sandbox.objects.filter(id=sb.id).delete()  # the database forgot it
-    report = svc.node_reconcile(node_name=local_node.name)
+    report = node_svc.node_reconcile(node_name=local_node.name)
     assert sb.id in report["destroyed"]
-    assert sb.id not in launcher_for("gvisor").list()
+    assert sb.id not in launcher_for("gvisor").states()
 
 
 @requires_runsc
 def test_reconcile_fails_rows_whose_sandbox_is_gone(celery_worker, local_node, team):
     sb = _create(team)
     launcher = launcher_for("gvisor")
-    subprocess.run([launcher.runsc, "--root", str(launcher.root), "kill", "--all", sb.id, "KILL"], check=True)
-    report = svc.node_reconcile(node_name=local_node.name)
+    subprocess.run(
+        [launcher.runsc.binary, "--root", str(launcher.runsc.root), "kill", "--all", sb.id, "KILL"],
+        check=True,
+    )
+    report = node_svc.node_reconcile(node_name=local_node.name)
     assert report["failed"] == [sb.id]
     sb.refresh_from_db()
     assert sb.status == S.FAILED and sb.status_reason
-    assert sb.id not in launcher.list()
+    assert sb.id not in launcher.states()
+
+
+@requires_runsc
+def test_reconcile_leaves_a_sandbox_whose_state_runsc_cannot_tell(
+    celery_worker, local_node, team, monkeypatch
+):
+    """A runsc that fails for another reason than "no such sandbox" (a busy host, a lock) says
+    nothing about the sandbox: it is neither failed nor destroyed, and stays usable."""
+    sb = _create(team)
+    launcher = launcher_for("gvisor")
+    runsc_type = type(launcher.runsc)
+    real_call = runsc_type.__call__
+
+    def flaky(self, *args, **kwargs):
+        if args and args[0] == "state":
+            return subprocess.CompletedProcess(
+                ["runsc", *args], 1, "", "acquiring lock: resource temporarily unavailable"
+            )
+        return real_call(self, *args, **kwargs)
+
+    monkeypatch.setattr(runsc_type, "__call__", flaky)
+    assert launcher.states()[sb.id].status == "unknown"
+    report = node_svc.node_reconcile(node_name=local_node.name)
+    assert sb.id not in report["failed"] and sb.id not in report["destroyed"]
+    monkeypatch.setattr(runsc_type, "__call__", real_call)
+    sb.refresh_from_db()
+    assert sb.status == S.RUNNING, sb.status_reason
+    assert io_svc.sandbox_exec(sandbox=sb, cmd="echo still").exec.stdout == "still\n"
 
 
 @requires_runsc
 def test_running_sandboxes_survive_reconciliation(celery_worker, local_node, team):
     sb = _create(team)
-    assert svc.node_reconcile(node_name=local_node.name) == {
+    assert node_svc.node_reconcile(node_name=local_node.name) == {
         "failed": [],
         "destroyed": [],
         "volumes_removed": [],
@@ -199,28 +233,55 @@ def test_exec_on_another_node_goes_through_its_queue(celery_worker, local_node, 
     # travel through the node's Celery queue to the worker.
     settings.HANGAR_NODE_NAME = "control-plane-elsewhere"
     sb.refresh_from_db()
-    assert not svc._is_local(sb)
-    out = svc.sandbox_exec(sandbox=sb, cmd="echo remote; echo e >&2; exit 2", stdin=None)
+    assert isinstance(sandbox_access(sb), RemoteAccess)
+    out = io_svc.sandbox_exec(sandbox=sb, cmd="echo remote; echo e >&2; exit 2", stdin=None)
     assert (out.result.exit_code, out.result.stdout, out.result.stderr) == (2, b"remote\n", b"e\n")
-    assert svc.sandbox_file_write(sandbox=sb, path="/tmp/r.bin", data=b"\x00\xffdata") == 6
-    entry, chunks = svc.sandbox_file_read(sandbox=sb, path="/tmp/r.bin")
+    assert io_svc.sandbox_file_write(sandbox=sb, path="/tmp/r.bin", data=b"\x00\xffdata") == 6
+    entry, chunks = io_svc.sandbox_file_read(sandbox=sb, path="/tmp/r.bin")
     assert b"".join(chunks) == b"\x00\xffdata" and entry.size == 6
-    assert [e.name for e in svc.sandbox_file_list(sandbox=sb, path="/tmp")] == ["r.bin"]
-    assert svc.sandbox_stats(sandbox=sb)["memory_limit_bytes"] == 256 * 1024 * 1024
+    assert [e.name for e in io_svc.sandbox_file_list(sandbox=sb, path="/tmp")] == ["r.bin"]
+    assert io_svc.sandbox_stats(sandbox=sb)["memory_limit_bytes"] == 256 * 1024 * 1024
+
+
+@requires_runsc
+def test_a_write_past_the_file_limit_is_refused_and_leaves_the_file_as_it_was(
+    celery_worker, local_node, team, settings
+):
+    from runtime.errors import TooLarge
+
+    settings.HANGAR_FILE_MAX_BYTES = 9 * 1024 * 1024  # past one 8 MiB part to another node
+
+    def chunks():  # 10 MiB, never announced
+        return (b"x" * 65536 for _ in range(160))
+
+    sb = _create(team)
+    assert io_svc.sandbox_file_write(sandbox=sb, path="/tmp/f", data=iter([b"old"])) == 3
+    with pytest.raises(TooLarge, match="HANGAR_FILE_MAX_BYTES"):
+        io_svc.sandbox_file_write(sandbox=sb, path="/tmp/f", data=chunks())
+    with pytest.raises(TooLarge):
+        io_svc.sandbox_file_write(sandbox=sb, path="/tmp/f", data=iter([]), size=10 * 1024 * 1024)
+    assert b"".join(io_svc.sandbox_file_read(sandbox=sb, path="/tmp/f")[1]) == b"old"
+    # Through another node's queue: its parts are dropped, the file is untouched.
+    settings.HANGAR_NODE_NAME = "control-plane-elsewhere"
+    sb.refresh_from_db()
+    with pytest.raises(TooLarge):
+        io_svc.sandbox_file_write(sandbox=sb, path="/tmp/f", data=chunks())
+    assert b"".join(io_svc.sandbox_file_read(sandbox=sb, path="/tmp/f")[1]) == b"old"
+    assert not list((settings.DATA_DIR / "uploads").iterdir())
 
 
 @requires_runsc
 def test_exec_on_a_pending_sandbox_is_a_conflict(transactional_db, local_node, team):
     sb = Sandbox.objects.create(team=team, image="busybox", image_digest="sha256:x", node=local_node)
     with pytest.raises(Conflict, match="pending"):
-        svc.sandbox_exec(sandbox=sb, cmd="true")
+        io_svc.sandbox_exec(sandbox=sb, cmd="true")
 
 
 @requires_runsc
 def test_exec_history_is_recorded_and_truncated(celery_worker, local_node, team, settings):
     settings.HANGAR_EXEC_KEEP_OUTPUT_BYTES = 100
     sb = _create(team)
-    out = svc.sandbox_exec(sandbox=sb, cmd="head -c 5000 /dev/zero | tr '\\0' a")
+    out = io_svc.sandbox_exec(sandbox=sb, cmd="head -c 5000 /dev/zero | tr '\\0' a")
     row = out.exec
     assert row.exit_code == 0 and row.stdout_bytes == 5000 and len(row.stdout) == 100
     assert row.finished_at is not None and row.duration_ms > 0
@@ -240,7 +301,7 @@ def test_reconcile_does_not_fail_a_sandbox_that_started_during_its_snapshot(
 
     # The snapshot "was taken" just before the sandbox's row turned running.
     monkeypatch.setattr(svc.timezone, "now", lambda: sb.updated_at - timedelta(milliseconds=1))
-    report = svc.node_reconcile(node_name=local_node.name)
+    report = node_svc.node_reconcile(node_name=local_node.name)
     monkeypatch.setattr(svc.timezone, "now", real_now)
     assert sb.id not in report["failed"]
     sb.refresh_from_db()
@@ -250,7 +311,7 @@ def test_reconcile_does_not_fail_a_sandbox_that_started_during_its_snapshot(
 def test_expiry_and_idle_rules_pause_or_delete_and_say_why(transactional_db, team):
     from runtime.models import SandboxEvent
 
-    node = node_register(name="n1", runtimes=["gvisor"], cpu=4, memory_mb=8192)
+    node = node_register(name="n1", launchers=GVISOR, cpu=4, memory_mb=8192)
     now = timezone.now()
 
     def sandbox(**fields) -> Sandbox:
@@ -286,22 +347,22 @@ def test_expiry_and_idle_rules_pause_or_delete_and_say_why(transactional_db, tea
 
 def test_activity_is_recorded_at_most_every_few_seconds(transactional_db, team):
     sb = Sandbox.objects.create(team=team, image="busybox", image_digest="sha256:x", status="running")
-    svc.sandbox_mark_active(sb.id)
+    calls_svc.sandbox_mark_active(sb.id)
     first = Sandbox.objects.get(id=sb.id).last_activity_at
     assert first is not None
-    svc.sandbox_mark_active(sb.id)
+    calls_svc.sandbox_mark_active(sb.id)
     assert Sandbox.objects.get(id=sb.id).last_activity_at == first  # throttled
     Sandbox.objects.filter(id=sb.id).update(last_activity_at=first - timedelta(seconds=10))
-    svc.sandbox_mark_active(sb.id)
+    calls_svc.sandbox_mark_active(sb.id)
     assert Sandbox.objects.get(id=sb.id).last_activity_at > first - timedelta(seconds=10)
 
 
 def test_activity_is_not_written_when_the_loaded_row_says_it_is_recent(transactional_db, team):
     sb = Sandbox.objects.create(team=team, image="busybox", image_digest="sha256:x", status="running")
     recent = timezone.now() - timedelta(seconds=1)
-    svc.sandbox_mark_active(sb.id, recent)  # the caller's row: active a second ago
+    calls_svc.sandbox_mark_active(sb.id, recent)  # the caller's row: active a second ago
     assert Sandbox.objects.get(id=sb.id).last_activity_at is None  # nothing written
-    svc.sandbox_mark_active(sb.id, timezone.now() - timedelta(seconds=30))
+    calls_svc.sandbox_mark_active(sb.id, timezone.now() - timedelta(seconds=30))
     assert Sandbox.objects.get(id=sb.id).last_activity_at is not None
 
 
@@ -309,14 +370,14 @@ def test_activity_is_not_written_when_the_loaded_row_says_it_is_recent(transacti
 
 
 def test_reconcile_removes_volume_data_no_row_owns(celery_worker, local_node, team):
-    from runtime.node import volume_store
+    from runtime.node.local import volume_store
     from runtime.services import volumes as volume_svc
 
     kept = volume_svc.volume_create(team=team, name="kept", size_mb=16)
     store = volume_store()
     store.create("volorphan00000", 16)  # a create whose row went away (or never committed)
     store.mount("volorphan00000")
-    report = svc.node_reconcile(node_name=local_node.name)
+    report = node_svc.node_reconcile(node_name=local_node.name)
     assert report["volumes_removed"] == ["volorphan00000"]
     assert store.list() == [kept.id] and not store.mountpoint("volorphan00000").exists()
     with open("/proc/self/mountinfo") as f:
@@ -328,7 +389,6 @@ def test_reconcile_removes_volume_data_no_row_owns(celery_worker, local_node, te
 def test_a_checkpoint_pause_cut_short_by_a_dead_worker_is_finished_by_the_resent_task(
     celery_worker, local_node, team, died
 ):
-    from runtime.launchers.agent_client import AgentClient
     from runtime.launchers.base import ExecRequest, ProcessRequest
 
     sb = _create(team, pause_mode="checkpoint")
@@ -342,13 +402,13 @@ def test_a_checkpoint_pause_cut_short_by_a_dead_worker_is_finished_by_the_resent
     assert lifecycle.transition(sb.id, to=S.PAUSING, frm=[S.RUNNING], fields={"paused_mode": "checkpoint"})
     if died == "after the quiesce":  # what the launcher leaves: its marker, a quiesced agent
         (launcher.sandboxes_dir / sb.id / "quiesced").touch()
-        AgentClient(sb.handle["socket"]).quiesce()
+        launcher.agent(sb.handle).quiesce()
     elif died == "after the checkpoint":
-        launcher.checkpoint(sb.id)
-    svc.sandbox_suspend(sandbox_id=sb.id)  # what the reaper sends again
+        launcher.checkpoint(sb.handle)
+    node_svc.node_sandbox_pause(sandbox_id=sb.id)  # what the reaper sends again
     sb.refresh_from_db()
     assert sb.status == S.PAUSED and sb.paused_mode == "checkpoint", sb.status_reason
-    svc.sandbox_suspend(sandbox_id=sb.id)  # and once more: nothing changes
+    node_svc.node_sandbox_pause(sandbox_id=sb.id)  # and once more: nothing changes
     svc.sandbox_resume(sandbox=sb)
     sb = svc.sandbox_wait(sandbox=sb, timeout=60)
     assert sb.status == S.RUNNING
@@ -358,7 +418,7 @@ def test_a_checkpoint_pause_cut_short_by_a_dead_worker_is_finished_by_the_resent
     process.send_signal(9)  # through its re-attached stream
     wait_until(lambda: bool(ended), 10, what="the exit")
     assert ended[-1][1].signal == 9
-    svc.sandbox_restart(sandbox_id=sb.id)  # a duplicated resume task is harmless too
+    node_svc.node_sandbox_resume(sandbox_id=sb.id)  # a duplicated resume task is harmless too
     sb.refresh_from_db()
     assert sb.status == S.RUNNING
 
@@ -371,9 +431,12 @@ def test_a_checkpoint_that_fails_falls_back_to_a_stop_pause_and_says_why(celery_
     launcher = launcher_for("gvisor")
     launcher.exec(sb.handle, ExecRequest(argv=["sh", "-c", "echo kept > /root/f"]))
     # The sandbox died under the pause: there is nothing left to checkpoint.
-    subprocess.run([launcher.runsc, "--root", str(launcher.root), "kill", "--all", sb.id, "KILL"], check=True)
+    subprocess.run(
+        [launcher.runsc.binary, "--root", str(launcher.runsc.root), "kill", "--all", sb.id, "KILL"],
+        check=True,
+    )
     assert lifecycle.transition(sb.id, to=S.PAUSING, frm=[S.RUNNING], fields={"paused_mode": "checkpoint"})
-    svc.sandbox_suspend(sandbox_id=sb.id)
+    node_svc.node_sandbox_pause(sandbox_id=sb.id)
     sb.refresh_from_db()
     assert sb.status == S.PAUSED and sb.paused_mode == "stop"
     assert "checkpoint failed" in sb.status_reason and "its files kept" in sb.status_reason

@@ -15,7 +15,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-from ..locks import file_lock
+from ...host.locks import file_lock
 
 AGENT_SOURCE = Path(__file__).with_name("hangar-agent.c")
 AGENT_CFLAGS: tuple[str, ...] = ("-static", "-O2", "-Wall", "-Wextra")

@@ -47,6 +47,7 @@
 #include <sys/stat.h>
 #include <sys/syscall.h>
 #include <sys/types.h>
+#include <sys/vfs.h>
 #include <sys/un.h>
 #include <sys/wait.h>
 #include <termios.h>
@@ -719,6 +720,167 @@ static int remove_dir_at(int dirfd, const char *name)
     return err;
 }
 
+/* ---- pseudo filesystems ---------------------------------------------------------------- */
+
+/* A request with no_pseudo_fs=1 (a caller who may not exec, and so must not see what /proc
+ * shows of every process: its environment holds the sandbox's secrets) may not read, list or
+ * stat anything on procfs or sysfs. The path is resolved here one component at a time, as the
+ * kernel would (symlinks followed, at most MAX_LINKS), so that every directory passed through,
+ * every symlink followed and the file itself is checked with fstatfs(): a name string cannot
+ * tell (/proc/self, a symlink in /tmp, a bind mount or a second procfs mounted elsewhere), and
+ * checking only the file opened is not enough either, since a magic link under /proc/<pid>/fd
+ * reaches a deleted file or a memfd on an ordinary filesystem. Every magic link lives on
+ * procfs, so refusing each component there refuses every path through one. */
+#define PROC_SUPER_MAGIC 0x9fa0
+#define SYSFS_MAGIC 0x62656572
+#define MAX_LINKS 40
+#define PSEUDO_REFUSED (-1000) /* walk_open's answer for a path through procfs or sysfs */
+#define PSEUDO_ERRNO "EPSEUDOFS"
+
+static int on_pseudo_fs(int fd)
+{
+    struct statfs s;
+    /* An fd whose filesystem cannot be told is refused as well. */
+    return fstatfs(fd, &s) < 0 || s.f_type == PROC_SUPER_MAGIC || s.f_type == SYSFS_MAGIC;
+}
+
+/* open(path, flags) without passing through procfs or sysfs. `flags` O_PATH: the last
+ * component is not followed (lstat). Returns an fd, -errno, or PSEUDO_REFUSED. */
+static int walk_open(const char *path, int flags)
+{
+    char rest[2 * PATH_MAX], name[NAME_MAX + 1];
+    size_t len = strlen(path);
+    int links = 0, rc = -EINVAL;
+    if (len >= PATH_MAX)
+        return -ENAMETOOLONG;
+    memcpy(rest, path, len + 1);
+    int dir = open("/", O_PATH | O_DIRECTORY | O_CLOEXEC);
+    if (dir < 0)
+        return -errno;
+    const char *p = rest;
+    for (;;) {
+        while (*p == '/')
+            p++;
+        size_t n = strcspn(p, "/");
+        if (n > NAME_MAX) {
+            rc = -ENAMETOOLONG;
+            break;
+        }
+        memcpy(name, n ? p : ".", n ? n : 1);
+        name[n ? n : 1] = '\0';
+        p += n;
+        const char *after = p + strspn(p, "/");
+        int last = !*after, trailing = last && *p == '/';
+        int fd = openat(dir, name, O_PATH | O_NOFOLLOW | O_CLOEXEC);
+        if (fd < 0) {
+            rc = -errno;
+            break;
+        }
+        struct stat st;
+        if (on_pseudo_fs(fd)) {
+            close(fd);
+            rc = PSEUDO_REFUSED;
+            break;
+        }
+        if (fstat(fd, &st) < 0) {
+            rc = -errno;
+            close(fd);
+            break;
+        }
+        if (S_ISLNK(st.st_mode) && (!last || trailing || !(flags & O_PATH))) {
+            char target[PATH_MAX];
+            close(fd);
+            ssize_t t = readlinkat(dir, name, target, sizeof target - 1);
+            if (++links > MAX_LINKS || t <= 0) {
+                rc = t < 0 ? -errno : t == 0 ? -ENOENT : -ELOOP;
+                break;
+            }
+            target[t] = '\0';
+            size_t tail = strlen(after);
+            if ((size_t)t + 1 + tail >= sizeof rest) {
+                rc = -ENAMETOOLONG;
+                break;
+            }
+            /* rest becomes target + "/" + what was left (after points into rest). */
+            memmove(rest + t + 1, after, tail + 1);
+            memcpy(rest, target, (size_t)t);
+            rest[t] = '/';
+            if (target[0] == '/') {
+                int root = open("/", O_PATH | O_DIRECTORY | O_CLOEXEC);
+                if (root < 0) {
+                    rc = -errno;
+                    break;
+                }
+                close(dir);
+                dir = root;
+            }
+            p = rest;
+            continue;
+        }
+        if (!last) {
+            if (!S_ISDIR(st.st_mode)) {
+                close(fd);
+                rc = -ENOTDIR;
+                break;
+            }
+            close(dir);
+            dir = fd;
+            continue;
+        }
+        if (flags & O_PATH) {
+            rc = fd;
+            break;
+        }
+        close(fd);
+        /* O_NOFOLLOW: a symlink swapped in since the check is refused, not followed; and
+         * what was opened is checked again (something could be mounted over it meanwhile). */
+        rc = openat(dir, name, flags | O_NOFOLLOW | O_CLOEXEC);
+        if (rc < 0) {
+            rc = -errno;
+        } else if (on_pseudo_fs(rc)) {
+            close(rc);
+            rc = PSEUDO_REFUSED;
+        }
+        break;
+    }
+    close(dir);
+    return rc;
+}
+
+/* open(2) for read, list and stat: checked by walk_open when the request says no_pseudo_fs.
+ * Replies and returns -1 on failure. */
+static int open_for(const struct request *r, const char *path, int flags)
+{
+    int fd;
+    if (!req_flag(r, "no_pseudo_fs")) {
+        fd = open(path, flags | O_CLOEXEC);
+        if (fd < 0)
+            reply_errno(errno, path);
+        return fd;
+    }
+    fd = walk_open(path, flags);
+    if (fd == PSEUDO_REFUSED) {
+        struct fields f = {0};
+        char message[2200];
+        snprintf(message, sizeof message, "%.2048s: is on /proc or /sys (or passes through them)", path);
+        field_add(&f, "errno", PSEUDO_ERRNO);
+        field_add(&f, "message", message);
+        reply_fields('F', &f);
+        return -1;
+    }
+    if (fd < 0)
+        reply_errno(-fd, path);
+    return fd;
+}
+
+/* The reply field that says the request's no_pseudo_fs was enforced: a client that asked for
+ * it refuses an answer without it (from an agent older than the check). */
+static void field_add_enforced(struct fields *f, const struct request *r)
+{
+    if (req_flag(r, "no_pseudo_fs"))
+        field_add(f, "no_pseudo_fs", "1");
+}
+
 /* ---- simple requests ------------------------------------------------------------------- */
 
 static void op_ping(void)
@@ -735,12 +897,23 @@ static void op_stat(const struct request *r)
     struct stat st;
     if (!path)
         return;
-    if (lstat(path, &st) < 0) {
+    if (req_flag(r, "no_pseudo_fs")) {
+        int fd = open_for(r, path, O_PATH | O_NOFOLLOW);
+        if (fd < 0)
+            return;
+        int err = fstat(fd, &st) < 0 ? errno : 0;
+        close(fd);
+        if (err) {
+            reply_errno(err, path);
+            return;
+        }
+    } else if (lstat(path, &st) < 0) {
         reply_errno(errno, path);
         return;
     }
     struct fields f = {0};
     field_add_stat(&f, &st);
+    field_add_enforced(&f, r);
     reply_fields('K', &f);
 }
 
@@ -793,11 +966,9 @@ static void op_list(const struct request *r)
     const char *path = req_path(r);
     if (!path)
         return;
-    int fd = open(path, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-    if (fd < 0) {
-        reply_errno(errno, path);
+    int fd = open_for(r, path, O_RDONLY | O_DIRECTORY);
+    if (fd < 0)
         return;
-    }
     DIR *d = fdopendir(fd);
     if (!d) {
         reply_errno(errno, path);
@@ -827,7 +998,9 @@ static void op_list(const struct request *r)
             break;
     }
     closedir(d);
-    reply_ok();
+    struct fields done = {0};
+    field_add_enforced(&done, r);
+    reply_fields('K', &done);
 }
 
 static void op_read(const struct request *r)
@@ -847,11 +1020,9 @@ static void op_read(const struct request *r)
         return;
     }
     /* O_NONBLOCK so a FIFO swapped in after the type check cannot hang the open. */
-    int fd = open(path, O_RDONLY | O_CLOEXEC | O_NOCTTY | O_NONBLOCK);
-    if (fd < 0) {
-        reply_errno(errno, path);
+    int fd = open_for(r, path, O_RDONLY | O_NOCTTY | O_NONBLOCK);
+    if (fd < 0)
         return;
-    }
     struct stat st;
     if (fstat(fd, &st) < 0) {
         reply_errno(errno, path);
@@ -876,6 +1047,7 @@ static void op_read(const struct request *r)
     field_addf(&f, "mode", "%o", (unsigned)(st.st_mode & 07777));
     field_add_mtime(&f, &st.st_mtim);
     field_add(&f, "type", "file");
+    field_add_enforced(&f, r);
     reply_fields('T', &f);
 
     char *buf = handler_buf(&g_buf.in, MAX_PAYLOAD + 1); /* FILE_CHUNK fits */

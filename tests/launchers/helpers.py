@@ -1,0 +1,55 @@
+"""What the launcher tests share: which launchers to run them against, how to make one with a
+state of its own, and how to check a sandbox left nothing behind (through the public interface
+and the host's own tables, never a launcher's internals)."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from runtime.launchers.base import Launcher
+from runtime.launchers.registry import launcher_class, launcher_names, new_launcher
+
+
+def usable_launchers() -> list[str]:
+    """Every registered launcher whose own probe passes here: gVisor, and the reduced test
+    registration of it (tests/launchers/reduced.py, registered by tests/settings.py)."""
+    return [name for name in launcher_names() if launcher_class(name).probe({}) is None]
+
+
+def make_launcher(name: str, state_dir: Path, agent_cache_dir: Path, **config: Any) -> Launcher:
+    """A launcher with a state dir (so names, a node id and a pool) of its own: it cannot meet
+    the test node's sandboxes, or another run's."""
+    return new_launcher(name, state_dir=str(state_dir), agent_cache_dir=str(agent_cache_dir), **config)
+
+
+def remove_all(launcher: Launcher) -> None:
+    for sandbox_id in launcher.states():
+        launcher.destroy(launcher.handle_for(sandbox_id))
+    launcher.release_spares()
+
+
+def loop_backing_files() -> list[str]:
+    files = []
+    for backing in Path("/sys/block").glob("loop*/loop/backing_file"):
+        with contextlib.suppress(OSError):
+            files.append(backing.read_text().strip())
+    return files
+
+
+def assert_nothing_left(launcher: Launcher, sandbox_id: str) -> None:
+    assert sandbox_id not in launcher.states()
+    with open("/proc/self/mountinfo") as f:
+        assert sandbox_id not in f.read()
+    # Its disk's loop device goes once the kernel has let go of the (lazily unmounted) disk.
+    wait_until_true(lambda: not [f for f in loop_backing_files() if sandbox_id in f], 10)
+
+
+def wait_until_true(check: Callable[[], object], timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
