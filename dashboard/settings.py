@@ -345,6 +345,9 @@ HANGAR_FLOW_HIGH_BYTES = env_int("HANGAR_FLOW_HIGH_BYTES", 128 * 1024, minimum=4
 HANGAR_FLOW_LOW_BYTES = env_int("HANGAR_FLOW_LOW_BYTES", 32 * 1024, minimum=1024)
 # Input a live command has not read yet that its node keeps for it; more is refused.
 HANGAR_STDIN_PENDING_BYTES = env_int("HANGAR_STDIN_PENDING_BYTES", 8 * 1024 * 1024, minimum=1024 * 1024)
+# An NDJSON stream (a command's output, a run's log) with nothing to say this long sends a
+# {"type":"keepalive"} line, so proxies and clients' read timeouts do not end a quiet stream.
+HANGAR_STREAM_KEEPALIVE_S = env_int("HANGAR_STREAM_KEEPALIVE_S", 15, minimum=1)
 HANGAR_TERMINAL_SCROLLBACK_BYTES = env_int("HANGAR_TERMINAL_SCROLLBACK_BYTES", 256 * 1024, minimum=64 * 1024)
 HANGAR_FILE_MAX_BYTES = env_int("HANGAR_FILE_MAX_BYTES", 512 * 1024 * 1024, minimum=1024)
 # The largest body of an API request that controls something (JSON); the endpoints that carry

@@ -22,6 +22,7 @@ import threading
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
+from django.conf import settings
 from django.http import StreamingHttpResponse
 
 from runtime.aio import blocking
@@ -33,6 +34,8 @@ log = logging.getLogger(__name__)
 # An NDJSON stream waits this long for its first line before its headers go out anyway (a
 # follow of a quiet command has nothing to say yet); an error within it is an error answer.
 FIRST_LINE_WAIT_S = 2.0
+# Sent after HANGAR_STREAM_KEEPALIVE_S without a line: clients skip events they do not know.
+KEEPALIVE_LINE = b'{"type":"keepalive"}\n'
 
 
 class BodyCut(Exception):
@@ -83,23 +86,29 @@ async def ndjson_response(body: AsyncIterator[bytes]) -> StreamingHttpResponse:
         raise
 
     async def rest() -> AsyncIterator[bytes]:
+        read = pending
         try:
             for chunk in head:
                 yield chunk
-            if pending is not None:
-                yield await pending
-            async for chunk in body:
-                yield chunk
-        except StopAsyncIteration:  # the pending first read found the end
+            while True:
+                if read is None:
+                    read = asyncio.ensure_future(anext(body))
+                done, _ = await asyncio.wait({read}, timeout=settings.HANGAR_STREAM_KEEPALIVE_S)
+                if not done:
+                    yield KEEPALIVE_LINE  # a quiet stream is still alive (proxies, read timeouts)
+                    continue
+                got, read = read, None
+                yield got.result()
+        except StopAsyncIteration:  # the body ended
             return
         except Exception as exc:
             if not isinstance(exc, ServiceError):
                 log.exception("a stream failed after it started")
             yield error_line(_message(exc))
         finally:
-            if pending is not None and not pending.done():
-                pending.cancel()
-                await asyncio.wait({pending})  # its own cleanup runs before the body's aclose
+            if read is not None and not read.done():
+                read.cancel()
+                await asyncio.wait({read})  # its own cleanup runs before the body's aclose
             # The body's own cleanup (a streamed exec is killed when its client leaves) runs now,
             # not whenever the garbage collector finds it.
             with contextlib.suppress(Exception):

@@ -86,3 +86,41 @@ def test_a_quiet_stream_starts_after_the_wait_and_keeps_its_first_line(monkeypat
 
     answered, lines = asyncio.run(go())
     assert answered < 0.25 and lines == [{"type": "stdout", "data": "late"}]
+
+
+def test_a_stream_quiet_past_the_keepalive_sends_keepalive_lines_between_its_own(settings) -> None:
+    settings.HANGAR_STREAM_KEEPALIVE_S = 0.1
+
+    async def body() -> AsyncIterator[bytes]:
+        yield b'{"type":"stdout","data":"one"}\n'
+        await asyncio.sleep(0.35)
+        yield b'{"type":"stdout","data":"two"}\n'
+
+    lines = asyncio.run(_collect(body()))
+    assert lines[0] == {"type": "stdout", "data": "one"} and lines[-1] == {"type": "stdout", "data": "two"}
+    assert 2 <= len(lines[1:-1]) <= 4 and all(line == {"type": "keepalive"} for line in lines[1:-1])
+
+
+def test_a_client_that_leaves_during_a_keepalive_wait_ends_the_body(settings) -> None:
+    settings.HANGAR_STREAM_KEEPALIVE_S = 0.05
+    ended = []
+
+    async def body() -> AsyncIterator[bytes]:
+        try:
+            yield b'{"type":"start"}\n'
+            await asyncio.sleep(60)
+            yield b'{"type":"stdout","data":"never"}\n'
+        finally:
+            ended.append(True)
+
+    async def go() -> list[bytes]:
+        stream = (await ndjson_response(body())).streaming_content
+        got = [await anext(stream), await anext(stream)]
+        await stream.aclose()  # the client hung up
+        return got
+
+    assert asyncio.run(go()) == [b'{"type":"start"}\n', b'{"type":"keepalive"}\n'] and ended == [True]
+
+
+async def _collect(body: AsyncIterator[bytes]) -> list[dict]:
+    return await _lines(await ndjson_response(body))

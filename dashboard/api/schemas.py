@@ -14,7 +14,8 @@ from django.utils.datastructures import MultiValueDict
 from ninja import NinjaAPI, Schema
 from ninja.errors import ValidationError
 from ninja.parser import Parser
-from pydantic import ConfigDict, Field
+from ninja.schema import DjangoGetter
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 
 class ErrorOut(Schema):
@@ -27,7 +28,34 @@ class ErrorOut(Schema):
     detail: str = Field(description="what went wrong, and what to change")
 
 
-class StrictIn(Schema):
+class ObjectIn(Schema):
+    """A request body (or a part of one) that is a JSON object. ninja's ``Schema`` reads its
+    fields as attributes of whatever it is given, so without this ``[null]``, ``5`` or
+    ``"x"`` would pass as an object with every field at its default."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _an_object(cls, data: Any) -> Any:
+        given = data._obj if isinstance(data, DjangoGetter) else data  # ninja wraps it first
+        if isinstance(given, dict | BaseModel) or not isinstance(
+            given, str | bytes | int | float | list | tuple
+        ):
+            return data
+        raise ValueError(f"must be a JSON object, not {_json_type(given)}")
+
+
+def _json_type(value: Any) -> str:
+    value = value._obj if isinstance(value, DjangoGetter) else value
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, int | float):
+        return "a number"
+    if isinstance(value, list | tuple):
+        return "an array"
+    return "a string"
+
+
+class StrictIn(ObjectIn):
     """A JSON request body, taken as its schema types it: `true` is not a number and `"1"` is
     not an integer (pydantic's lax mode would take both)."""
 

@@ -30,6 +30,7 @@ from runtime.services.images import image_resolve
 
 from ..api.auth import AuthedRequest
 from ..api.blocking import blocking
+from ..api.schemas import ObjectIn
 from .schemas import (
     LIVE,
     STATES,
@@ -262,7 +263,7 @@ async def connect_sandbox(request: AuthedRequest, sandbox_id: str, payload: Conn
     return await _connect(request, sandbox_id, payload.timeout, resumed_status=201)
 
 
-class ResumeIn(Schema):
+class ResumeIn(ObjectIn):
     timeout: int | None = Field(None, ge=0)
 
 

@@ -11,12 +11,12 @@ from typing import Any
 
 from django.conf import settings
 from django.http import JsonResponse
-from ninja import Schema
 from pydantic import ConfigDict, Field
 
 from runtime.errors import BadRequest
 from runtime.models import Sandbox
 
+from ..api.schemas import ObjectIn
 from .tokens import ENVD_VERSION, envd_access_token
 
 S = Sandbox.Status
@@ -29,7 +29,7 @@ LIVE = STATES["running"] + STATES["paused"]
 ALL_TRAFFIC = "0.0.0.0/0"
 
 
-class _In(Schema):
+class _In(ObjectIn):
     # Fields a newer SDK adds are ignored, not refused: an old Hangar keeps working with it.
     model_config = ConfigDict(extra="ignore")
 
@@ -38,7 +38,7 @@ class AutoResumeIn(_In):
     enabled: bool = False
 
 
-class NetworkIn(Schema):
+class NetworkIn(ObjectIn):
     """E2B's egress rules; Hangar's policy is an allowlist or all or nothing, and a field it
     cannot honour is refused (a sandbox that is more open than asked would be worse)."""
 

@@ -105,6 +105,10 @@ def test_unknown_image_is_400_naming_the_images(api):
         ({"disk_mb": 10**9}, "disk_mb: Input should be less than or equal to 102400"),
         ({"cpu": True}, "cpu: Input should be a valid number"),  # not 1
         ({"memory_mb": "512"}, "memory_mb: Input should be a valid integer"),
+        # An object field given anything else is refused, not read as an object of defaults.
+        ({"network": [None, None]}, "network: Value error, must be a JSON object, not an array"),
+        ({"network": "all"}, "network: Value error, must be a JSON object, not a string"),
+        ({"network": 1}, "network: Value error, must be a JSON object, not a number"),
     ],
 )
 def test_bad_sizes_are_422_with_the_allowed_range(api, body, word):
