@@ -3,6 +3,8 @@ SHELL := /bin/bash
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PORT ?= 8000
+# The e2b SDK a year older than the one in the test extra, which tests/e2b/test_older_sdk.py runs.
+E2B_OLDER := 2.8.1
 
 .PHONY: up install system-deps test-deps venv test lint bench-tti bench-dashboard bench-pause bench-pools bench-network bench-harness services
 
@@ -24,8 +26,13 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q -e '.[test]'
 	@touch $@
 
-test-deps:
+test-deps: $(VENV)/e2b-$(E2B_OLDER)/.installed
 	@scripts/install-test-deps.sh
+
+# Beside the venv, not in it: one Python cannot import two versions of a package.
+$(VENV)/e2b-$(E2B_OLDER)/.installed: $(VENV)/.installed
+	$(PY) -m pip install -q --no-warn-conflicts --target $(VENV)/e2b-$(E2B_OLDER) e2b==$(E2B_OLDER)
+	@touch $@
 
 services:
 	@scripts/ensure-test-services.sh

@@ -190,12 +190,14 @@ async def download_response(
     return response
 
 
-def audit_csv_response(rows: Any) -> StreamingHttpResponse:
+def audit_csv_response(rows: Any, first: tuple[str, int | None]) -> StreamingHttpResponse:
     """An audit export, a page of events at a time from the blocking pool (a sync iterator
-    would be read whole into memory before the first byte under ASGI)."""
+    would be read whole into memory before the first byte under ASGI). ``first`` is
+    ``audit_svc.csv_page(rows)``, read by the caller before the answer starts: a filter the
+    database refuses is then an error answer, not a cut connection."""
 
     async def body() -> AsyncIterator[bytes]:
-        text, after = await blocking(audit_svc.csv_page)(rows)
+        text, after = first
         yield text.encode()
         while after is not None:
             text, after = await blocking(audit_svc.csv_page)(rows, before_id=after)

@@ -70,9 +70,9 @@ async def list_audit(request: AuthedRequest, q: Query[AuditQuery]):
             since, until = parse_range(q.from_, q.to)
         rows = audit_svc.events(team=team, action=q.action, actor=q.actor, outcome=q.outcome, target=q.target,
                                 via=q.via, since=since, until=until, before_id=q.before_id)  # fmt: skip
-        return rows if q.format == "csv" else list(rows[: q.limit])
+        return (rows, audit_svc.csv_page(rows)) if q.format == "csv" else list(rows[: q.limit])
 
-    rows = await blocking(read)()
+    got = await blocking(read)()
     if q.format == "csv":
-        return audit_csv_response(rows)
-    return rows
+        return audit_csv_response(*got)
+    return got

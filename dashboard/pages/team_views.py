@@ -319,11 +319,12 @@ def audit_csv(request: HttpRequest) -> HttpResponseBase:
     tc = team_context(request)
     try:
         rows = _audit_rows(request, tc)
+        first = audit_svc.csv_page(rows)
     except PermissionError:
         return HttpResponseForbidden("The audit log is for a team's admins and owners.")
     except ServiceError as exc:
         return HttpResponse(exc.message, status=exc.status_code, content_type="text/plain")
-    return audit_csv_response(rows)
+    return audit_csv_response(rows, first)
 
 
 # -- invitations ------------------------------------------------------------------------------

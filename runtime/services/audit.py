@@ -134,6 +134,11 @@ def events(
 ) -> QuerySet[AuditEvent]:
     """Newest first. ``team`` None: every team's and the site's (site administrators).
     ``action`` matches a prefix (``sandbox.`` for every sandbox change)."""
+    # Refused here, not by the database when the query runs: an export's query runs once its
+    # answer has started, too late for an error answer.
+    for name, value in (("action", action), ("actor", actor), ("target", target), ("via", via)):
+        if "\x00" in value:
+            raise InvalidValue(f"{name} cannot hold a NUL character")
     qs = AuditEvent.objects.all()
     if team is not None:
         qs = qs.filter(team_id_ref=team.id)

@@ -461,3 +461,10 @@ def test_an_invitation_link_adds_whoever_accepts_it_once(team):
     assert Membership.objects.get(user=user, team=team).role == "viewer"
     assert {e.action for e in AuditEvent.objects.filter(action__startswith="invitation.")} == {
         "invitation.create", "invitation.revoke", "invitation.accept"}  # fmt: skip
+
+
+@pytest.mark.parametrize("fmt", ["json", "csv"])
+def test_an_audit_filter_with_a_nul_is_a_422_not_a_cut_export(team, fmt):
+    admin = raw(team, "c-admin")
+    status, body = call("GET", f"/audit?format={fmt}&target=a%00b", admin)
+    assert status == 422 and body["detail"] == "target cannot hold a NUL character", body

@@ -1,0 +1,77 @@
+"""The control plane driven by an ``e2b`` release a year older than the newest (installed apart
+from the test environment by ``make test-deps``: one Python cannot import two versions of a
+package), in a process of its own: code that pinned its SDK a year ago works on Hangar too."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.support import requires_runsc
+
+from .test_control_plane import _hangar
+
+# The release of a year before 2.63.0 (e2b 2.8.1: 2025-12-01); the Makefile's E2B_OLDER.
+OLDER = "2.8.1"
+OLDER_DIR = Path(os.environ.get("HANGAR_TEST_E2B_OLDER_DIR", str(Path(sys.prefix) / f"e2b-{OLDER}")))
+
+SCRIPT = r"""
+import json, sys
+import e2b
+from e2b import AuthenticationException, NotFoundException, Sandbox, SandboxQuery
+
+def state(s):
+    return getattr(s, "value", s)
+
+out = {"file": e2b.__file__}
+sbx = Sandbox.create("busybox", metadata={"suite": "older"}, envs={"FOO": "bar"}, timeout=120,
+                     allow_internet_access=False)
+sid = out["id"] = sbx.sandbox_id
+info = sbx.get_info()
+out["info"] = [info.sandbox_id, info.template_id, info.metadata, state(info.state), info.cpu_count,
+               info.memory_mb, (info.end_at - info.started_at).total_seconds()]
+out["listed"] = [s.sandbox_id for s in Sandbox.list(query=SandboxQuery(metadata={"suite": "older"})).next_items()]
+sbx.set_timeout(600)
+out["paused"] = sbx.beta_pause() if hasattr(sbx, "beta_pause") else sbx.pause()
+out["paused_state"] = state(sbx.get_info().state)
+again = Sandbox.connect(sid)
+out["connected_state"] = state(again.get_info().state)
+out["killed"] = again.kill()
+try:
+    Sandbox.get_info(sid)
+    out["after_kill"] = "found"
+except NotFoundException:
+    out["after_kill"] = "NotFoundException"
+try:
+    Sandbox.create("busybox", api_key="hgr_not-a-real-key")
+    out["wrong_key"] = "created"
+except AuthenticationException:
+    out["wrong_key"] = "AuthenticationException"
+print(json.dumps(out))
+"""
+
+
+@requires_runsc
+@pytest.mark.timeout(240)
+def test_an_sdk_a_year_older_creates_lists_pauses_connects_and_kills(e2b, api, team_token):
+    assert (OLDER_DIR / "e2b").is_dir(), f"e2b {OLDER} is not installed in {OLDER_DIR}: run `make test-deps`"
+    env = {**os.environ, "PYTHONPATH": str(OLDER_DIR), "E2B_API_URL": e2b, "E2B_API_KEY": team_token}
+    proc = subprocess.run(
+        [sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=200
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["file"].startswith(str(OLDER_DIR))  # this release, not the test environment's
+    sid = out["id"]
+    assert out["info"][:4] == [sid, "busybox", {"suite": "older"}, "running"]
+    assert out["info"][4:6] == [1, 512] and 100 < out["info"][6] <= 120
+    assert out["listed"] == [sid]
+    assert out["paused"] in (True, None) and out["paused_state"] == "paused"
+    assert out["connected_state"] == "running" and out["killed"] is True
+    assert out["after_kill"] == "NotFoundException" and out["wrong_key"] == "AuthenticationException"
+    assert _hangar(api, sid)["status"] in ("stopping", "deleted")
