@@ -18,6 +18,7 @@ from e2b import (
     AsyncSandbox,
     AuthenticationException,
     CommandExitException,
+    FilesystemEventType,
     FileType,
     NotFoundException,
     Sandbox,
@@ -70,6 +71,11 @@ def test_commands_run_stream_fail_and_run_in_the_background(e2b):
         r = sbx.commands.run('echo out; echo err >&2; printf %s "$FOO"', envs={"FOO": "bar baz"})
         assert r.exit_code == 0 and r.stdout == "out\nbar baz" and r.stderr == "err\n"
         assert sbx.commands.run("pwd", cwd="/tmp").stdout == "/tmp\n"
+        # As the image's user (root), or another one it has; one it lacks is told so.
+        assert sbx.commands.run("id -u").stdout == sbx.commands.run("id -u", user="root").stdout == "0\n"
+        assert sbx.commands.run("id -u", user="nobody").stdout == "65534\n"
+        with pytest.raises(CommandExitException, match="user ghost does not exist"):
+            sbx.commands.run("true", user="ghost")
         with pytest.raises(CommandExitException) as failed:
             sbx.commands.run("echo nope >&2; exit 3")
         assert failed.value.exit_code == 3 and failed.value.stderr == "nope\n"
@@ -84,7 +90,7 @@ def test_commands_run_stream_fail_and_run_in_the_background(e2b):
         # A background command outlives the call that started it; found by pid, fed, followed.
         proc = sbx.commands.run("read line; echo got $line; sleep 600", background=True, stdin=True)
         listed = {p.pid: p for p in sbx.commands.list()}
-        assert proc.pid in listed and listed[proc.pid].cmd == "/bin/bash"
+        assert proc.pid in listed and listed[proc.pid].cmd == "/bin/sh"  # busybox: bash's stand-in
         assert listed[proc.pid].args[-1].startswith("read line")
         follower = sbx.commands.connect(proc.pid)
         sbx.commands.send_stdin(proc.pid, "hello\n")
@@ -132,9 +138,14 @@ def test_files_and_pty(e2b):
         entries = {e.name: e for e in sbx.files.list("/work")}
         assert set(entries) == {"a.txt", "b.txt", "dir"} and entries["dir"].type == FileType.DIR
         assert entries["a.txt"].type == FileType.FILE and entries["a.txt"].size == 1
+        watcher = sbx.files.watch_dir("/work")  # polled: the sandbox's agent has no inotify
         deep = {e.path for e in sbx.files.list("/work", depth=2)}
         assert "/work/dir/blob.bin" in deep
         assert sbx.files.get_info("/work/dir/blob.bin").size == len(blob)
+        sbx.files.write("/work/c.txt", "c")
+        events = {(e.name, e.type) for e in watcher.get_new_events()}
+        assert events == {("c.txt", FilesystemEventType.CREATE)}
+        watcher.stop()
 
         assert sbx.files.exists("/work/a.txt") and not sbx.files.exists("/work/none")
         assert sbx.files.make_dir("/work/new/deeper") is True
@@ -264,6 +275,15 @@ def test_async_sdk_runs_commands_files_and_a_pty(e2b):
             await sbx.files.write("/work/x.bin", b"\x00\xff")
             assert bytes(await sbx.files.read("/work/x.bin", format="bytes")) == b"\x00\xff"
             assert [e.name for e in await sbx.files.list("/work")] == ["x.bin"]
+            seen_events: list = []
+            watch = await sbx.files.watch_dir("/work", on_event=seen_events.append)
+            await sbx.files.remove("/work/x.bin")
+            for _ in range(50):
+                if seen_events:
+                    break
+                await asyncio.sleep(0.1)
+            await watch.stop()
+            assert [(e.name, e.type) for e in seen_events] == [("x.bin", FilesystemEventType.REMOVE)]
             with pytest.raises(NotFoundException):
                 await sbx.files.read("/work/nope")
 

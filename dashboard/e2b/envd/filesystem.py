@@ -155,41 +155,51 @@ def list_dir(caller: Caller, message: dict[str, Any]) -> dict[str, Any]:
 
 # -- watchers: by polling the listing (the sandbox's agent has no inotify) ----------------------
 
-Snapshot = dict[str, tuple[str, int, float]]
-# watcher id -> (directory, recursive, the last listing). Kept by this server process: a
+Snapshot = dict[str, FileEntry]
+# watcher id -> (directory, recursive, include entries, the last listing). Kept by this server process: a
 # deployment with several replicas sends a watcher's calls to the one that made it.
-_WATCHERS: dict[str, tuple[str, bool, Snapshot]] = {}
+_WATCHERS: dict[str, tuple[str, bool, bool, Snapshot]] = {}
 
 
 def _snapshot(caller: Caller, path: str, recursive: bool) -> Snapshot:
-    return {e.path: (e.type, e.size, e.mtime) for e in _listing(caller, path, 64 if recursive else 1)}
+    return {e.path: e for e in _listing(caller, path, 64 if recursive else 1)}
 
 
-def _changes(root: str, before: Snapshot, after: Snapshot) -> list[dict[str, Any]]:
+def _changes(root: str, before: Snapshot, after: Snapshot, with_entry: bool) -> list[dict[str, Any]]:
+    """``FilesystemEvent``s between two listings: created, written (size or time changed), removed."""
+    changed = [
+        *((p, "EVENT_TYPE_CREATE") for p in sorted(after.keys() - before.keys())),
+        *(
+            (p, "EVENT_TYPE_WRITE")
+            for p in sorted(before.keys() & after.keys())
+            if (before[p].type, before[p].size, before[p].mtime)
+            != (after[p].type, after[p].size, after[p].mtime)
+        ),
+        *((p, "EVENT_TYPE_REMOVE") for p in sorted(before.keys() - after.keys())),
+    ]
     events = []
-    for path in sorted(after.keys() - before.keys()):
-        events.append({"name": posixpath.relpath(path, root), "type": "EVENT_TYPE_CREATE"})
-    for path in sorted(before.keys() & after.keys()):
-        if before[path] != after[path]:
-            events.append({"name": posixpath.relpath(path, root), "type": "EVENT_TYPE_WRITE"})
-    for path in sorted(before.keys() - after.keys()):
-        events.append({"name": posixpath.relpath(path, root), "type": "EVENT_TYPE_REMOVE"})
+    for path, kind in changed:
+        event: dict[str, Any] = {"name": posixpath.relpath(path, root), "type": kind}
+        if with_entry and path in after:
+            event["entry"] = entry_info(after[path])
+        events.append(event)
     return events
 
 
 @_call
 def create_watcher(caller: Caller, message: dict[str, Any]) -> dict[str, Any]:
     path, recursive = resolve(message.get("path")), bool(message.get("recursive"))
+    with_entry = bool(message.get("includeEntry"))
     if _stat(caller, path).type != "dir":
         raise RpcError("invalid_argument", f"{path} is not a directory")
     watcher_id = f"{caller.sandbox.id}.{uuid.uuid4().hex}"
     if len(_WATCHERS) >= 1000:
         raise RpcError("resource_exhausted", "too many watchers on this server; remove some")
-    _WATCHERS[watcher_id] = (path, recursive, _snapshot(caller, path, recursive))
+    _WATCHERS[watcher_id] = (path, recursive, with_entry, _snapshot(caller, path, recursive))
     return {"watcherId": watcher_id}
 
 
-def _watcher(caller: Caller, message: dict[str, Any]) -> tuple[str, tuple[str, bool, Snapshot]]:
+def _watcher(caller: Caller, message: dict[str, Any]) -> tuple[str, tuple[str, bool, bool, Snapshot]]:
     watcher_id = str(message.get("watcherId") or "")
     found = _WATCHERS.get(watcher_id)
     if found is None or not watcher_id.startswith(f"{caller.sandbox.id}."):
@@ -199,10 +209,10 @@ def _watcher(caller: Caller, message: dict[str, Any]) -> tuple[str, tuple[str, b
 
 @_call
 def get_watcher_events(caller: Caller, message: dict[str, Any]) -> dict[str, Any]:
-    watcher_id, (path, recursive, before) = _watcher(caller, message)
+    watcher_id, (path, recursive, with_entry, before) = _watcher(caller, message)
     after = _snapshot(caller, path, recursive)
-    _WATCHERS[watcher_id] = (path, recursive, after)
-    return {"events": _changes(path, before, after)}
+    _WATCHERS[watcher_id] = (path, recursive, with_entry, after)
+    return {"events": _changes(path, before, after, with_entry)}
 
 
 @_call
@@ -218,6 +228,7 @@ async def watch_dir(
     """``WatchDir``: a start, then the changes seen every :data:`WATCH_POLL_S`, a keepalive
     after ``HANGAR_STREAM_KEEPALIVE_S`` of quiet; until the client leaves or its access ends."""
     path, recursive = resolve(message.get("path")), bool(message.get("recursive"))
+    with_entry = bool(message.get("includeEntry"))
 
     def first() -> Snapshot:
         require_running(caller)
@@ -234,7 +245,7 @@ async def watch_dir(
         if why:
             raise RpcError("unauthenticated", f"access ended: {why}")
         after = await blocking(lambda: _snapshot(caller, path, recursive))()
-        events = _changes(path, before, after)
+        events = _changes(path, before, after, with_entry)
         before = after
         for event in events:
             yield {"filesystem": event}

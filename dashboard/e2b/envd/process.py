@@ -15,40 +15,63 @@ from django.http import HttpRequest
 
 from dashboard.auth_watch import AuthWatch
 from runtime.aio import blocking
-from runtime.errors import InvalidValue
+from runtime.errors import InvalidValue, ServiceError
 from runtime.models import Exec
 from runtime.services import processes as proc_svc
+from runtime.services import sandbox_io as io_svc
 
 from .protocol import Caller, RpcError, b64, require_running, still_authorised, unb64
 
-# Every command runs through this script: ``$1`` is the program and the rest its arguments; an
-# image without bash (busybox) runs E2B's ``/bin/bash -l -c …`` with /bin/sh instead. Its ``$0``
-# says whether it runs on a PTY (what :func:`_config` and the output's kind read back).
-_LAUNCH = 'p=$1; shift; if [ "$p" = /bin/bash ] && [ ! -x /bin/bash ]; then p=/bin/sh; fi; exec "$p" "$@"'
+# A command that runs as root with the program it names starts as it is (bash where asked for
+# and the image has it, else /bin/sh: busybox images have no bash). One on a PTY, or as another
+# user, starts through this script: ``$1`` the user, ``$2`` the program, the rest its arguments;
+# its ``$0`` marks it, so :func:`_config` and a reconnect read back what it was.
+_LAUNCH = (
+    'u=$1; p=$2; shift 2; if [ "$p" = /bin/bash ] && [ ! -x /bin/bash ]; then p=/bin/sh; fi; '
+    'if [ -z "$u" ] || [ "$u" = root ]; then exec "$p" "$@"; fi; '
+    'id -u "$u" >/dev/null 2>&1 || { echo "user $u does not exist in this sandbox" >&2; exit 126; }; '
+    'exec su -s /bin/sh "$u" -c \'exec "$0" "$@"\' "$p" "$@"'
+)
+_SH = ["/bin/sh", "-c", _LAUNCH]
 _MARK_CMD, _MARK_PTY = "e2b-process", "e2b-pty"
+_HAS_BASH: dict[str, bool] = {}  # sandbox id -> whether its /bin holds bash (looked up once)
 STDIN_WAIT_S = 5.0
+_CLOSING: set[asyncio.Future[None]] = set()
 # A stream's first moments are covered by the check at its start; a watch on the token (a
 # Redis channel of its own) is set up only for streams that last longer than this.
 WATCH_AFTER_S = 0.5
 
 
-def _argv(cmd: str, args: list[str], user: str, pty: bool) -> list[str]:
-    if user not in ("", "root"):
-        # Hangar runs a sandbox's commands as its image's user, root in Hangar's sandboxes.
-        raise RpcError("invalid_argument", f"Hangar runs commands as root; user {user!r} is not supported")
+def _has_bash(caller: Caller) -> None:
+    """Note whether the sandbox's image has /bin/bash, asked of its agent once per sandbox (a
+    command then starts with no shell in front of it to choose; one that could not tell, with)."""
+    try:
+        names = {e.name for e in io_svc.sandbox_file_list(sandbox=caller.sandbox, path="/bin")}
+    except ServiceError:
+        return
+    if len(_HAS_BASH) > 10_000:
+        _HAS_BASH.clear()
+    _HAS_BASH[caller.sandbox.id] = "bash" in names
+
+
+def _argv(caller: Caller, cmd: str, args: list[str], pty: bool) -> list[str]:
     if not cmd:
         raise RpcError("invalid_argument", "process.cmd is empty")
-    return ["/bin/sh", "-c", _LAUNCH, _MARK_PTY if pty else _MARK_CMD, cmd, *args]
+    if not pty and caller.user in ("", "root"):
+        has_bash = _HAS_BASH.get(caller.sandbox.id) if cmd == "/bin/bash" else True
+        if has_bash is not None:
+            return [cmd if has_bash else "/bin/sh", *args]
+    return [*_SH, _MARK_PTY if pty else _MARK_CMD, caller.user, cmd, *args]
 
 
 def _is_pty(row: Exec) -> bool:
-    return len(row.argv) > 3 and row.argv[:3] == ["/bin/sh", "-c", _LAUNCH] and row.argv[3] == _MARK_PTY
+    return len(row.argv) > 4 and row.argv[:3] == _SH and row.argv[3] == _MARK_PTY
 
 
 def _config(row: Exec) -> dict[str, Any]:
     argv = list(row.argv)
-    if argv[:3] == ["/bin/sh", "-c", _LAUNCH] and len(argv) > 4:
-        argv = argv[4:]
+    if argv[:3] == _SH and len(argv) > 5:
+        argv = argv[5:]
     config: dict[str, Any] = {"cmd": argv[0] if argv else "", "args": argv[1:], "envs": {}}
     if row.cwd:
         config["cwd"] = row.cwd
@@ -157,10 +180,17 @@ async def _events(
         if nxt is not None and not nxt.done():
             nxt.cancel()
             await asyncio.wait({nxt}, timeout=5)
-        with contextlib.suppress(Exception):
-            await it.aclose()  # type: ignore[attr-defined]
-        # Stopping the watch takes a round trip through Redis: not on the way to the answer.
-        asyncio.ensure_future(watch.stop())
+        # Leaving the follow's group and stopping the watch take round trips through Redis:
+        # not on the way to the stream's end.
+        closing = asyncio.ensure_future(_close(it, watch))
+        _CLOSING.add(closing)  # held until done: the loop keeps only a weak reference to a task
+        closing.add_done_callback(_CLOSING.discard)
+
+
+async def _close(it: Any, watch: AuthWatch) -> None:
+    with contextlib.suppress(Exception):
+        await it.aclose()
+    await watch.stop()
 
 
 async def _watch_later(watch: Any) -> None:
@@ -182,9 +212,10 @@ async def start(
     pty = message.get("pty")
     size = (pty or {}).get("size") or {}
     rows, cols = int(size.get("rows") or 24), int(size.get("cols") or 80)
-    argv = _argv(
-        str(config.get("cmd") or ""), [str(a) for a in config.get("args") or []], caller.user, pty is not None
-    )
+    cmd, args = str(config.get("cmd") or ""), [str(a) for a in config.get("args") or []]
+    if cmd == "/bin/bash" and caller.sandbox.id not in _HAS_BASH:
+        await blocking(_has_bash)(caller)
+    argv = _argv(caller, cmd, args, pty is not None)
     envs = {str(k): str(v) for k, v in (config.get("envs") or {}).items()}
     if pty is not None:
         envs = {"TERM": "xterm-256color", **envs}
