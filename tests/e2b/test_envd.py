@@ -128,7 +128,7 @@ def test_files_and_pty(e2b):
         info = sbx.files.write("/work/dir/hello.txt", "héllo\n")
         assert info.path == "/work/dir/hello.txt" and info.name == "hello.txt"
         assert sbx.files.read("/work/dir/hello.txt") == "héllo\n"
-        blob = bytes(range(256)) * 64
+        blob = bytes(range(256)) * 8192  # 2 MiB: over the API's JSON limit, held to the file limit
         sbx.files.write("/work/dir/blob.bin", blob)
         assert bytes(sbx.files.read("/work/dir/blob.bin", format="bytes")) == blob
         sbx.files.write_files([{"path": "/work/a.txt", "data": "a"}, {"path": "/work/b.txt", "data": b"b"}])
@@ -312,3 +312,16 @@ def test_envelopes_and_base64_round_trip():
     assert unb64(base64.urlsafe_b64encode(b"\xff\xfe").decode(), "x") == b"\xff\xfe"
     with pytest.raises(RpcError):
         unwrap(body[:-1])
+
+
+def test_envd_uploads_and_input_have_their_data_limits(settings):
+    from dashboard.limits import body_limit
+
+    assert body_limit("POST", "/e2b/envd/files")[0] == settings.HANGAR_FILE_MAX_BYTES
+    stdin = body_limit("POST", "/api/v1/sandboxes/sbx/processes/7/stdin")
+    assert body_limit("POST", "/e2b/envd/process.Process/SendInput") == stdin
+    assert body_limit("POST", "/e2b/envd/process.Process/StreamInput") == stdin
+    assert body_limit("POST", "/e2b/envd/process.Process/Start") == (
+        settings.HANGAR_JSON_MAX_BYTES,
+        "HANGAR_JSON_MAX_BYTES",
+    )
