@@ -173,7 +173,10 @@ def cmd_up(args: argparse.Namespace) -> int:
                 f"(ssh -p {settings.HANGAR_SSH_PORT} HARNESS@{settings.HANGAR_SSH_HOST})"
             )
         _say(f"  node:  {node.name} (queue {node.queue}, host id {local_node_id()}), data in {data_dir}")
-        _say(f"  e2b:   export E2B_API_URL={url}/e2b E2B_API_KEY=<a Hangar token>  (for the e2b SDK)")
+        _say(
+            f"  e2b:   export E2B_API_URL={url}/e2b E2B_SANDBOX_URL={url}/e2b/envd "
+            "E2B_API_KEY=<a Hangar token>  (for the e2b SDK)"
+        )
         _say(
             f"  logs:  {logs}/ (server, worker, beat, bridge, ssh-gateway; warnings and errors show here too)"
         )

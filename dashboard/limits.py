@@ -38,6 +38,13 @@ _DATA_ROUTES: list[tuple[str, re.Pattern[str], Callable[[], tuple[int, str]]]] =
     ),
     ("POST", re.compile(rf"{_SANDBOX}/processes/[^/]+/stdin"), lambda: _input_limit()),
     ("POST", re.compile(rf"{_SANDBOX}/exec"), lambda: _input_limit()),
+    # E2B's in-sandbox API (dashboard/e2b/envd): its uploads, and input as base64 in JSON.
+    (
+        "POST",
+        re.compile(r"/e2b/envd/files"),
+        lambda: (settings.HANGAR_FILE_MAX_BYTES, "HANGAR_FILE_MAX_BYTES"),
+    ),
+    ("POST", re.compile(r"/e2b/envd/process\.Process/(SendInput|StreamInput)"), lambda: _input_limit()),
 ]
 
 

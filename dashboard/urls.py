@@ -1,6 +1,6 @@
 from django.contrib import admin
 from django.contrib.auth import views as auth_views
-from django.urls import path, re_path
+from django.urls import include, path, re_path
 
 from dashboard.api import api
 from dashboard.e2b.api import api as e2b_api
@@ -13,6 +13,7 @@ admin.site.login_form = ThrottledAdminAuthenticationForm
 urlpatterns = [
     path("admin/", admin.site.urls),
     path("api/v1/", api.urls),
+    path("e2b/envd/", include("dashboard.e2b.envd.views")),
     path("e2b/", e2b_api.urls),
     re_path(r"^e2b/(?P<rest>.*)$", e2b_unsupported),
     path("login/", SignInView.as_view(), name="login"),

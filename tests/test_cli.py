@@ -128,7 +128,9 @@ def test_hangar_up_runs_stops_cleanly_and_sandboxes_survive_a_restart(tmp_path):
     for noise in ("celery@", "[config]", "[queues]", "superuser privileges", "-------------- "):
         assert noise not in text, (noise, text)
     assert f"logs:  {data_dir}/logs/" in text
-    assert f"export E2B_API_URL={up.url}/e2b " in text  # the e2b SDK's settings, as docs/e2b.md says
+    assert (
+        f"export E2B_API_URL={up.url}/e2b E2B_SANDBOX_URL={up.url}/e2b/envd " in text
+    )  # as docs/e2b.md says
     assert stat.S_IMODE(data_dir.stat().st_mode) == 0o700 and "now 700" in text  # root's alone
     # The SSH gateway into harnesses is one of the processes it starts.
     ssh_port = int(re.search(r"ssh: +port (\d+)", text).group(1))

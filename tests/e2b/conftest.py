@@ -16,6 +16,7 @@ def e2b(server, celery_worker, bridge, local_node, team_token, monkeypatch) -> s
     image_register(info=image_store().get(Image.objects.get(name="busybox").digest), name="base")
     url = f"{server}/e2b"
     monkeypatch.setenv("E2B_API_URL", url)
+    monkeypatch.setenv("E2B_SANDBOX_URL", f"{url}/envd")
     monkeypatch.setenv("E2B_API_KEY", team_token)
     monkeypatch.delenv("E2B_DOMAIN", raising=False)
     monkeypatch.delenv("E2B_DEBUG", raising=False)
