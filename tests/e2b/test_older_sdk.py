@@ -35,6 +35,10 @@ sid = out["id"] = sbx.sandbox_id
 info = sbx.get_info()
 out["info"] = [info.sandbox_id, info.template_id, info.metadata, state(info.state), info.cpu_count,
                info.memory_mb, (info.end_at - info.started_at).total_seconds()]
+run = sbx.commands.run("echo $FOO; echo err >&2", envs={"FOO": "from-run"})
+out["run"] = [run.stdout, run.stderr, run.exit_code]
+sbx.files.write("/tmp/older.txt", "kept")
+out["read"] = sbx.files.read("/tmp/older.txt")
 out["listed"] = [s.sandbox_id for s in Sandbox.list(query=SandboxQuery(metadata={"suite": "older"})).next_items()]
 sbx.set_timeout(600)
 out["paused"] = sbx.beta_pause() if hasattr(sbx, "beta_pause") else sbx.pause()
@@ -58,9 +62,10 @@ print(json.dumps(out))
 
 @requires_runsc
 @pytest.mark.timeout(240)
-def test_an_sdk_a_year_older_creates_lists_pauses_connects_and_kills(e2b, api, team_token):
+def test_an_sdk_a_year_older_creates_runs_writes_lists_pauses_connects_and_kills(e2b, api, team_token):
     assert (OLDER_DIR / "e2b").is_dir(), f"e2b {OLDER} is not installed in {OLDER_DIR}: run `make test-deps`"
-    env = {**os.environ, "PYTHONPATH": str(OLDER_DIR), "E2B_API_URL": e2b, "E2B_API_KEY": team_token}
+    env = {**os.environ, "PYTHONPATH": str(OLDER_DIR), "E2B_API_URL": e2b, "E2B_SANDBOX_URL": f"{e2b}/envd",
+           "E2B_API_KEY": team_token}  # fmt: skip
     proc = subprocess.run(
         [sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=200
     )
@@ -70,6 +75,7 @@ def test_an_sdk_a_year_older_creates_lists_pauses_connects_and_kills(e2b, api, t
     sid = out["id"]
     assert out["info"][:4] == [sid, "busybox", {"suite": "older"}, "running"]
     assert out["info"][4:6] == [1, 512] and 100 < out["info"][6] <= 120
+    assert out["run"] == ["from-run\n", "err\n", 0] and out["read"] == "kept"  # through envd
     assert out["listed"] == [sid]
     assert out["paused"] in (True, None) and out["paused_state"] == "paused"
     assert out["connected_state"] == "running" and out["killed"] is True
