@@ -31,6 +31,10 @@ sys.path.insert(0, str(ROOT))
 
 from _common import client, start_hangar, stop_hangar, summary, write_results  # noqa: E402
 
+# This file is bench/e2b.py: with its folder first on the path, `import e2b` would find itself.
+HERE = Path(__file__).resolve().parent
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != HERE]
+
 IMAGE = "busybox"
 MEMORY_MB = 512
 TIMEOUT_S = 600
@@ -120,7 +124,7 @@ def main() -> int:
     parser.add_argument("--commands", type=int, default=200, help="commands of each kind")
     parser.add_argument("--url")
     parser.add_argument("--token")
-    parser.add_argument("--port", type=int, default=8767)
+    parser.add_argument("--port", type=int, default=8794)
     parser.add_argument("--json", default=str(ROOT / "bench" / "results" / "e2b.json"))
     args = parser.parse_args()
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import base64
 import binascii
 import json
+import logging
 import struct
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
@@ -31,6 +32,8 @@ from runtime.services import sandboxes as svc
 from runtime.services.auth import sandbox_reached, token_current
 
 from ..tokens import envd_access_token_owner, may_use_envd
+
+log = logging.getLogger(__name__)
 
 END_STREAM = 0x02
 STREAM_CONTENT = "application/connect+json"
@@ -62,6 +65,7 @@ def rpc_error(exc: BaseException) -> RpcError:
         return exc
     if isinstance(exc, ServiceError):
         return RpcError(_SERVICE_CODES.get(exc.status_code, "unknown"), exc.message)
+    log.error("an envd call failed", exc_info=exc)
     return RpcError("internal", "the call failed on the server; its log has the details")
 
 
