@@ -48,6 +48,17 @@ def client(url: str, token: str) -> httpx.Client:
     return httpx.Client(base_url=f"{url}/api/v1", headers={"Authorization": f"Bearer {token}"}, timeout=120)
 
 
+def wait_deleted(api: httpx.Client, sandbox_id: str, timeout: float = 60) -> None:
+    """Until the node has destroyed it: the next measurement starts on a quiet machine."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        r = api.get(f"/sandboxes/{sandbox_id}")
+        if r.status_code == 404 or r.json().get("status") in ("deleted", "failed"):
+            return
+        time.sleep(0.02)
+    raise RuntimeError(f"sandbox {sandbox_id} was not deleted within {timeout:g}s")
+
+
 @dataclass
 class Hangar:
     proc: subprocess.Popen[str]

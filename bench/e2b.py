@@ -29,7 +29,7 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from _common import client, start_hangar, stop_hangar, summary, write_results  # noqa: E402
+from _common import client, start_hangar, stop_hangar, summary, wait_deleted, write_results  # noqa: E402
 
 # This file is bench/e2b.py: with its folder first on the path, `import e2b` would find itself.
 HERE = Path(__file__).resolve().parent
@@ -38,17 +38,6 @@ sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != HERE]
 IMAGE = "busybox"
 MEMORY_MB = 512
 TIMEOUT_S = 600
-
-
-def wait_deleted(api: httpx.Client, sandbox_id: str, timeout: float = 60) -> None:
-    """Until the node has destroyed it: the next measurement starts on a quiet machine."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        r = api.get(f"/sandboxes/{sandbox_id}")
-        if r.status_code == 404 or r.json().get("status") in ("deleted", "failed"):
-            return
-        time.sleep(0.02)
-    raise RuntimeError(f"sandbox {sandbox_id} was not deleted within {timeout:g}s")
 
 
 def hangar_once(api: httpx.Client) -> tuple[float, str]:

@@ -34,7 +34,7 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from _common import client, start_hangar, stop_hangar, summary, write_results  # noqa: E402
+from _common import client, start_hangar, stop_hangar, summary, wait_deleted, write_results  # noqa: E402
 
 from runtime.host.images.store import ImageStore  # noqa: E402
 from runtime.launchers.gvisor.runsc import DEFAULT_PLATFORM, default_runsc  # noqa: E402
@@ -115,17 +115,6 @@ def hangar_once(api: httpx.Client, created: list[str]) -> float:
     assert out["stdout"] == "ok\n", out
     created.append(sb["id"])
     return elapsed
-
-
-def wait_deleted(api: httpx.Client, sandbox_id: str, timeout: float = 60) -> None:
-    """Until the node has destroyed it: the next measurement starts on a quiet machine."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        r = api.get(f"/sandboxes/{sandbox_id}")
-        if r.status_code == 404 or r.json().get("status") in ("deleted", "failed"):
-            return
-        time.sleep(0.02)
-    raise RuntimeError(f"sandbox {sandbox_id} was not deleted within {timeout:g}s")
 
 
 def interleaved(api: httpx.Client, n: int, work: Path, created: list[str]) -> tuple[list[float], list[float]]:
