@@ -241,10 +241,15 @@ class Bridge:
 
     async def _start(self, msg: dict[str, Any]) -> None:
         key, reply = msg["key"], msg["reply"]
+        # A starter that follows the output at once attaches with the start (``attach``: the
+        # fields of an ATTACH): its viewer is in place before the first byte is read, and the
+        # start costs one round trip through the layer, not two.
+        attach = msg.get("attach")
         if key in self.procs:
-            await self.layer.send(
-                reply, {"type": streams.STARTED, "key": key, "pid": self.procs[key].process.pid}
-            )
+            if attach:
+                self._attach(self.procs[key], attach)
+            await self.layer.send(reply, {"type": streams.STARTED, "key": key,
+                                          "pid": self.procs[key].process.pid, "attached": bool(attach)})  # fmt: skip
             return
         req = ProcessRequest(
             argv=list(msg["argv"]), env=dict(msg.get("env") or {}), cwd=msg.get("cwd") or None,
@@ -285,8 +290,12 @@ class Bridge:
             asyncio.create_task(self._send_loop(lp)),
             asyncio.create_task(self._input_loop(lp)),
         ]
+        if attach:
+            self._attach(lp, attach)
         threading.Thread(target=self._pump, args=(lp,), name=f"pump-{key}", daemon=True).start()
-        await self.layer.send(reply, {"type": streams.STARTED, "key": key, "pid": process.pid})
+        await self.layer.send(
+            reply, {"type": streams.STARTED, "key": key, "pid": process.pid, "attached": bool(attach)}
+        )
 
     # -- output ------------------------------------------------------------------------------
 

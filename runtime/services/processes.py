@@ -110,11 +110,41 @@ async def process_start(
 ) -> Exec:
     """Start a command as a live process of the sandbox's node and return its row at once.
     Without ``timeout_s`` it runs as long as the sandbox does."""
+    row, _ = await _process_start(
+        sandbox=sandbox, cmd=cmd, kind=kind, cwd=cwd, env=env, stdin=stdin, stdin_open=stdin_open, tty=tty,
+        rows=rows, cols=cols, timeout_s=timeout_s, user=user, mask=mask, follow=False,
+    )  # fmt: skip
+    return row
+
+
+async def process_start_followed(*, sandbox: Sandbox, **options: Any) -> tuple[Exec, ProcessFollow]:
+    """:func:`process_start` (same options) for a caller that follows the output from its
+    first byte: the follower attaches with the start, which saves a round trip to the node.
+    The caller iterates the follow, or :meth:`ProcessFollow.close` s it."""
+    row, follow = await _process_start(sandbox=sandbox, follow=True, **options)
+    assert follow is not None
+    return row, follow
+
+
+async def _process_start(
+    *,
+    sandbox: Sandbox,
+    cmd: str | list[str],
+    kind: str = Exec.Kind.BACKGROUND,
+    cwd: str | None = None,
+    env: dict[str, str] | None = None,
+    stdin: bytes | None = None,
+    stdin_open: bool = False,
+    tty: bool = False,
+    rows: int = 24,
+    cols: int = 80,
+    timeout_s: float | None = None,
+    user: User | None = None,
+    mask: list[str] | None = None,
+    follow: bool = False,
+) -> tuple[Exec, ProcessFollow | None]:
     require_running(sandbox)
     argv, env, cwd = exec_validate(cmd=cmd, env=env, cwd=cwd, timeout_s=timeout_s)
-    # A claimed pool member got its env and secrets after it started: they come with each exec.
-    env = {**sandbox.env, **(await _secret_env(sandbox)), **env}
-    validate_command_size(node=sandbox.node, runtime=sandbox.runtime, argv=argv, env=env, cwd=cwd)
     if kind not in (Exec.Kind.STREAM, Exec.Kind.BACKGROUND):
         raise InvalidValue(f"kind must be stream or background, got {kind!r}")
     if stdin is not None and len(stdin) > MAX_INLINE_STDIN:
@@ -122,28 +152,45 @@ async def process_start(
             f"stdin is limited to {MAX_INLINE_STDIN} bytes here; send more through the process's stdin"
         )
     _check_size(rows, cols)
+    asked = env
 
-    def create() -> Exec:
+    def create() -> tuple[Exec, dict[str, str]]:
+        # One trip to the database: the secrets, the activity mark and the row.
+        # A claimed pool member got its env and secrets after it started: they come with each exec.
+        full = {**sandbox.env, **secret_svc.env_for(sandbox), **asked}
+        validate_command_size(node=sandbox.node, runtime=sandbox.runtime, argv=argv, env=full, cwd=cwd)
         sandbox_mark_active(sandbox.id, sandbox.last_activity_at)
-        return Exec.objects.create(
+        row = Exec.objects.create(
             sandbox=sandbox, kind=kind, status=Exec.Status.RUNNING, argv=argv, cwd=cwd or "",
             timeout_s=timeout_s, started_at=timezone.now(),
             created_by=user if user is not None and user.is_authenticated else None,
         )  # fmt: skip
+        return row, full
 
-    row = await _db(create)()
+    row, env = await _db(create)()
     fields = {
         "argv": argv, "env": env, "cwd": cwd, "tty": tty, "rows": rows, "cols": cols, "timeout": timeout_s,
         "stdin_data": stdin or b"", "stdin_open": stdin_open, "kind": "exec", "mask": list(mask or []),
     }  # fmt: skip
+    follower = ProcessHandle.of_exec(sandbox, row.id).follow(offset=0) if follow else None
     try:
-        row.pid = await sandbox_access(sandbox).start_process(streams.exec_key(row.id), fields)
+        if follower is not None:
+            fields["attach"] = await follower.open()
+        row.pid, attached = await sandbox_access(sandbox).start_process(streams.exec_key(row.id), fields)
     except (InvalidValue, Conflict, NodeUnavailable) as exc:
+        if follower is not None:
+            await follower.close()
         row.status, row.error, row.finished_at = Exec.Status.FAILED, exc.message, timezone.now()
         await _db(row.save)(update_fields=["status", "error", "finished_at"])
         raise
+    except BaseException:
+        if follower is not None:
+            await follower.close()
+        raise
+    if follower is not None:
+        follower.attached = attached
     await _db(Exec.objects.filter(id=row.id, pid__isnull=True).update)(pid=row.pid)
-    return row
+    return row, follower
 
 
 async def _secret_env(sandbox: Sandbox) -> dict[str, str]:
@@ -198,7 +245,7 @@ async def terminal_open(
         "stdin_data": b"", "stdin_open": True, "kind": "terminal",
     }  # fmt: skip
     try:
-        row.pid = await sandbox_access(sandbox).start_process(streams.terminal_key(row.id), fields)
+        row.pid, _ = await sandbox_access(sandbox).start_process(streams.terminal_key(row.id), fields)
     except (InvalidValue, Conflict, NodeUnavailable) as exc:
         row.status, row.error, row.ended_at = Terminal.Status.FAILED, exc.message, timezone.now()
         await _db(row.save)(update_fields=["status", "error", "ended_at"])
@@ -432,8 +479,31 @@ class ProcessFollow:
         self.auto_ack = auto_ack
         self.follow = follow  # False: what is there now, then stop (no exit event if still running)
         self.channel = ""
+        self.attached = False  # the attach went with the process's start (see :meth:`open`)
         self._layer = channel_layer()
         self._acked, self._acked_at = self.offset, time.monotonic()
+
+    async def open(self) -> dict[str, Any]:
+        """Listen before iterating, and return the attach for the process's start to carry
+        (``START``'s ``attach``); set :attr:`attached` if the node took it."""
+        await self._listen()
+        return {"reply": self.channel, "offset": self.offset, "live": self.live, "flow": self.flow}
+
+    async def close(self) -> None:
+        """Stop listening, for a follow opened and never iterated."""
+        if self.channel:
+            channel, self.channel = self.channel, ""
+            await self._layer.group_discard(streams.proc_group(self.handle.key), channel)
+            if self.attached:
+                await process_send(node_name=self.handle.node_name, key=self.handle.key,
+                                   kind=streams.DETACH, reply=channel)  # fmt: skip
+
+    async def _listen(self) -> None:
+        if not self.channel:
+            # The default prefix on purpose: channels_redis reads all of a process's own channels
+            # through one Redis list, and a second prefix would wait forever behind the first.
+            self.channel = await self._layer.new_channel()
+            await self._layer.group_add(streams.proc_group(self.handle.key), self.channel)
 
     async def _send(self, kind: str, **fields: Any) -> None:
         await process_send(node_name=self.handle.node_name, key=self.handle.key, kind=kind, **fields)
@@ -454,15 +524,13 @@ class ProcessFollow:
 
     async def __aiter__(self) -> AsyncIterator[tuple[Any, ...]]:
         layer = self._layer
-        # The default prefix on purpose: channels_redis reads all of a process's own channels
-        # through one Redis list, and a second prefix would wait forever behind the first.
-        self.channel = await layer.new_channel()
+        await self._listen()
         group = streams.proc_group(self.handle.key)
         follower = streams.Follower(want=self.offset)
         retried = False
-        await layer.group_add(group, self.channel)
         try:
-            await self._attach(self.offset, self.live)
+            if not self.attached:
+                await self._attach(self.offset, self.live)
             while not follower.done:
                 try:
                     msg = await asyncio.wait_for(layer.receive(self.channel), FOLLOW_IDLE_S)
@@ -496,9 +564,10 @@ class ProcessFollow:
                 ):  # fmt: skip
                     return
         finally:
-            await layer.group_discard(group, self.channel)
+            channel, self.channel = self.channel, ""  # a later close() has nothing left to do
+            await layer.group_discard(group, channel)
             if not follower.done:
-                await self._send(streams.DETACH, reply=self.channel)
+                await self._send(streams.DETACH, reply=channel)
 
 
 def _ended_info(target: ProcessHandle) -> dict[str, Any] | None:

@@ -182,14 +182,15 @@ async def _events(
             await asyncio.wait({nxt}, timeout=5)
         # Leaving the follow's group and stopping the watch take round trips through Redis:
         # not on the way to the stream's end.
-        closing = asyncio.ensure_future(_close(it, watch))
+        closing = asyncio.ensure_future(_close(follow, it, watch))
         _CLOSING.add(closing)  # held until done: the loop keeps only a weak reference to a task
         closing.add_done_callback(_CLOSING.discard)
 
 
-async def _close(it: Any, watch: AuthWatch) -> None:
+async def _close(follow: proc_svc.ProcessFollow, it: Any, watch: AuthWatch) -> None:
     with contextlib.suppress(Exception):
         await it.aclose()
+        await follow.close()  # opened with the start and never iterated: still listening
     await watch.stop()
 
 
@@ -221,14 +222,18 @@ async def start(
         envs = {"TERM": "xterm-256color", **envs}
     stdin = message.get("stdin", True) is not False or pty is not None
     try:
-        row = await proc_svc.process_start(
+        # Followed from its first byte: the follower attaches with the start (one round trip).
+        row, follow = await proc_svc.process_start_followed(
             sandbox=caller.sandbox, cmd=argv, kind=Exec.Kind.BACKGROUND, cwd=config.get("cwd") or None,
             env=envs, stdin_open=stdin, tty=pty is not None, rows=rows, cols=cols, user=caller.token.user,
         )  # fmt: skip
     except InvalidValue as exc:
         raise RpcError("invalid_argument", exc.message) from None
-    yield {"event": {"start": {"pid": row.pid or 0}}}
-    follow = _handle(caller, row).follow(offset=0)
+    try:
+        yield {"event": {"start": {"pid": row.pid or 0}}}
+    except BaseException:  # the client left at the start: the process runs on, unfollowed
+        await follow.close()
+        raise
     async for event in _events(caller, follow, pty is not None, _keepalive_s(request)):
         yield event
 
