@@ -230,7 +230,7 @@ DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 REDIS_URL = env_str("REDIS_URL", f"unix://{DATA_DIR / 'redis.sock'}?db=0")
 CHANNEL_LAYERS = {
     "default": {
-        "BACKEND": "channels_redis.core.RedisChannelLayer",
+        "BACKEND": "runtime.services.redis_layer.RedisLayer",
         # Flow control keeps a follower's backlog to a few messages; the capacity only has to
         # absorb bursts (a full channel drops messages, and followers re-sync by offset).
         # The socket timeout must outlast channels_redis's 5 s blocking reads (redis-py's

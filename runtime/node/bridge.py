@@ -292,10 +292,14 @@ class Bridge:
         ]
         if attach:
             self._attach(lp, attach)
-        threading.Thread(target=self._pump, args=(lp,), name=f"pump-{key}", daemon=True).start()
-        await self.layer.send(
-            reply, {"type": streams.STARTED, "key": key, "pid": process.pid, "attached": bool(attach)}
-        )
+        # The starter hears first; the output waits in the agent's connection meanwhile (the
+        # reply must not queue behind the output's messages on this loop).
+        try:
+            await self.layer.send(
+                reply, {"type": streams.STARTED, "key": key, "pid": process.pid, "attached": bool(attach)}
+            )
+        finally:
+            threading.Thread(target=self._pump, args=(lp,), name=f"pump-{key}", daemon=True).start()
 
     # -- output ------------------------------------------------------------------------------
 

@@ -1,0 +1,125 @@
+"""Hangar's Channels layer (:mod:`runtime.services.redis_layer`) on the test Redis: the same
+messages, capacity rule and expiry as channels_redis's, in fewer round trips, and messages
+that channels_redis's own layer reads (and the other way round)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+
+import pytest
+from channels.exceptions import ChannelFull
+from channels_redis.core import RedisChannelLayer
+from django.conf import settings
+
+from runtime.services.redis_layer import RedisLayer
+
+
+def _layers(**config: object) -> tuple[RedisLayer, RedisChannelLayer]:
+    prefix = f"test-layer-{uuid.uuid4().hex[:8]}"  # nothing shared with other tests' keys
+    hosts = [settings.REDIS_URL]
+    return (
+        RedisLayer(hosts=hosts, prefix=prefix, **config),
+        RedisChannelLayer(hosts=hosts, prefix=prefix, **config),
+    )
+
+
+def run(coro_fn) -> None:
+    async def main() -> None:
+        ours, stock = _layers(capacity=3)
+        try:
+            await coro_fn(ours, stock)
+        finally:
+            await ours.flush()
+            await ours.close_pools()
+            await stock.close_pools()
+
+    asyncio.run(main())
+
+
+def test_a_message_sent_on_either_layer_is_received_on_the_other():
+    async def check(ours: RedisLayer, stock: RedisChannelLayer) -> None:
+        local = await stock.new_channel()
+        await ours.send(local, {"type": "x.one", "data": b"\x00\xff"})
+        assert await asyncio.wait_for(stock.receive(local), 5) == {"type": "x.one", "data": b"\x00\xff"}
+        await ours.send("hangar.general", {"type": "x.two"})  # a general channel: no "!" in it
+        assert (await asyncio.wait_for(stock.receive("hangar.general"), 5))["type"] == "x.two"
+        mine = await ours.new_channel()
+        await stock.send(mine, {"type": "x.three"})
+        assert (await asyncio.wait_for(ours.receive(mine), 5))["type"] == "x.three"
+
+    run(check)
+
+
+def test_a_full_channel_refuses_as_channels_redis_does():
+    async def check(ours: RedisLayer, stock: RedisChannelLayer) -> None:
+        channel = await stock.new_channel()
+        for i in range(3):
+            await ours.send(channel, {"type": "x", "i": i})
+        with pytest.raises(ChannelFull):
+            await ours.send(channel, {"type": "x", "i": 3})
+        with pytest.raises(ChannelFull):
+            await stock.send(channel, {"type": "x", "i": 3})  # the same rule on the same queue
+        got = [(await asyncio.wait_for(stock.receive(channel), 5))["i"] for _ in range(3)]
+        assert got == [0, 1, 2]
+        await ours.send(channel, {"type": "x", "i": 4})  # room again once read
+        assert (await asyncio.wait_for(stock.receive(channel), 5))["i"] == 4
+
+    run(check)
+
+
+def test_group_send_reaches_every_member_once_and_skips_a_full_one():
+    async def check(ours: RedisLayer, stock: RedisChannelLayer) -> None:
+        a, b = await stock.new_channel(), await stock.new_channel()  # one process's two channels
+        other = await ours.new_channel()  # another process's
+        for channel in (a, b, other):
+            await ours.group_add("g", channel)
+        await ours.group_send("g", {"type": "x.hello"})
+        for layer, channel in ((stock, a), (stock, b), (ours, other)):
+            assert (await asyncio.wait_for(layer.receive(channel), 5))["type"] == "x.hello"
+        for i in range(3):
+            await ours.send(other, {"type": "x.fill", "i": i})
+        await ours.group_send("g", {"type": "x.again"})  # other is full: the rest still get it
+        assert (await asyncio.wait_for(stock.receive(a), 5))["type"] == "x.again"
+        assert (await asyncio.wait_for(stock.receive(b), 5))["type"] == "x.again"
+        assert [(await asyncio.wait_for(ours.receive(other), 5))["type"] for _ in range(3)] == ["x.fill"] * 3
+        await ours.group_discard("g", a)
+        await ours.group_send("g", {"type": "x.after"})
+        assert (await asyncio.wait_for(stock.receive(b), 5))["type"] == "x.after"
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(stock.receive(a), 0.3)
+
+    run(check)
+
+
+def test_a_group_send_to_an_empty_group_and_expired_members_send_nothing():
+    async def check(ours: RedisLayer, stock: RedisChannelLayer) -> None:
+        await ours.group_send("nobody", {"type": "x"})  # no members: nothing to do, no error
+        channel = await stock.new_channel()
+        await ours.group_add("g", channel)
+        connection = ours.connection(0)
+        # As if it had been added longer ago than the group expiry.
+        await connection.zadd(ours._group_key("g"), {channel: time.time() - ours.group_expiry - 10})
+        await ours.group_send("g", {"type": "x.late"})
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(stock.receive(channel), 0.3)
+        assert await connection.zcard(ours._group_key("g")) == 0
+
+    run(check)
+
+
+def test_it_loads_its_script_again_after_redis_forgets_it():
+    async def check(ours: RedisLayer, stock: RedisChannelLayer) -> None:
+        channel = await stock.new_channel()
+        await ours.send(channel, {"type": "x.before"})
+        await ours.connection(0).script_flush()  # a restarted Redis has no scripts
+        await ours.send(channel, {"type": "x.after"})
+        got = [(await asyncio.wait_for(stock.receive(channel), 5))["type"] for _ in range(2)]
+        assert got == ["x.before", "x.after"]
+
+    run(check)
+
+
+def test_hangar_uses_it():
+    assert settings.CHANNEL_LAYERS["default"]["BACKEND"] == "runtime.services.redis_layer.RedisLayer"
