@@ -38,7 +38,7 @@ class ApiHandler(ASGIHandler):
 
 
 api_app = BodyLimit(ApiHandler())
-API_PATHS = ("/api/", "/e2b/")
+API_PATHS = ("/api/", "/e2b/", "/v1/")  # /v1/: OTLP's paths at the root (dashboard/otlp.py)
 
 
 async def http_app(scope, receive, send):

@@ -45,6 +45,12 @@ _DATA_ROUTES: list[tuple[str, re.Pattern[str], Callable[[], tuple[int, str]]]] =
         lambda: (settings.HANGAR_FILE_MAX_BYTES, "HANGAR_FILE_MAX_BYTES"),
     ),
     ("POST", re.compile(r"/e2b/envd/process\.Process/(SendInput|StreamInput)"), lambda: _input_limit()),
+    # OTLP export requests (dashboard/otlp.py), as sent; a gzip body is held to it again unpacked.
+    (
+        "POST",
+        re.compile(r"(/api/v1/otlp)?/v1/(traces|logs)"),
+        lambda: (settings.HANGAR_OTLP_MAX_BYTES, "HANGAR_OTLP_MAX_BYTES"),
+    ),
 ]
 
 

@@ -274,6 +274,7 @@ CELERY_BEAT_SCHEDULE = {
     },
     "usage-meter": {"task": "runtime.tasks.usage_meter", "schedule": env_float("HANGAR_METER_TICK_S", 60.0)},
     "sandboxes-prune": {"task": "runtime.tasks.sandboxes_prune", "schedule": 3600.0},
+    "traces-prune": {"task": "runtime.tasks.traces_prune", "schedule": 3600.0},
 }
 
 STATIC_URL = "/static/"
@@ -358,6 +359,14 @@ HANGAR_METADATA_MAX_BYTES = env_int("HANGAR_METADATA_MAX_BYTES", 64 * 1024, mini
 # Rows of deleted sandboxes (with their events, commands and terminals) go this long after the
 # deletion (0: kept for ever).
 HANGAR_DELETED_RETENTION_DAYS = env_int("HANGAR_DELETED_RETENTION_DAYS", 30, minimum=0)
+# Traces (OTLP ingest, docs/traces.md): kept this many days after their last span (0: forever);
+# a string attribute over HANGAR_TRACE_VALUE_BYTES is cut in the span and kept whole beside it;
+# an export request's body is limited to HANGAR_OTLP_MAX_BYTES (after gzip); at most
+# HANGAR_OTLP_CONCURRENCY requests are stored at once per server process (more: 429, Retry-After).
+HANGAR_TRACE_RETENTION_DAYS = env_int("HANGAR_TRACE_RETENTION_DAYS", 14, minimum=0)
+HANGAR_TRACE_VALUE_BYTES = env_int("HANGAR_TRACE_VALUE_BYTES", 16 * 1024, minimum=256)
+HANGAR_OTLP_MAX_BYTES = env_int("HANGAR_OTLP_MAX_BYTES", 16 * 1024 * 1024, minimum=1024)
+HANGAR_OTLP_CONCURRENCY = env_int("HANGAR_OTLP_CONCURRENCY", 4, minimum=1)
 HANGAR_CREATE_WAIT_S = env_int("HANGAR_CREATE_WAIT_S", 60, minimum=1)
 # Site-wide quota defaults per team (a team's own limits and ceilings override them; site
 # administrators change them in the API and the dashboard too: those win over these).

@@ -2,6 +2,7 @@ from django.contrib import admin
 from django.contrib.auth import views as auth_views
 from django.urls import include, path, re_path
 
+from dashboard import otlp
 from dashboard.api import api
 from dashboard.e2b.api import api as e2b_api
 from dashboard.e2b.unsupported import unsupported as e2b_unsupported
@@ -12,6 +13,10 @@ admin.site.login_form = ThrottledAdminAuthenticationForm
 
 urlpatterns = [
     path("admin/", admin.site.urls),
+    path("v1/traces", otlp.traces, name="otlp_traces"),
+    path("v1/logs", otlp.logs, name="otlp_logs"),
+    path("api/v1/otlp/v1/traces", otlp.traces),
+    path("api/v1/otlp/v1/logs", otlp.logs),
     path("api/v1/", api.urls),
     path("e2b/envd/", include("dashboard.e2b.envd.views")),
     path("e2b/", e2b_api.urls),

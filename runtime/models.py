@@ -648,3 +648,6 @@ class SshKey(models.Model):
     class Meta:
         ordering = ["created_at"]
         constraints = [models.UniqueConstraint(fields=["user", "name"], name="ssh_key_name_unique_per_user")]
+
+
+from .trace_models import Trace, TraceLog, TraceSpan, TraceValue  # noqa: E402,F401 - the app's models

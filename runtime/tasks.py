@@ -12,7 +12,7 @@ from .host.volumes import VolumeError
 from .models import Node
 from .node import sandboxes as node_svc
 from .node.local import local_capabilities, local_node_name, node_queue
-from .services import harnesses, pools, retention, runs, usage, volumes
+from .services import harnesses, pools, retention, runs, traces, usage, volumes
 from .services import images as image_services
 from .services import nodes as node_services
 from .services import sandbox_access as access_svc
@@ -130,6 +130,12 @@ def sandboxes_reap() -> int:
 def sandboxes_prune() -> int:
     """Beat: rows of sandboxes deleted longer ago than HANGAR_DELETED_RETENTION_DAYS go."""
     return retention.sandboxes_prune()
+
+
+@shared_task
+def traces_prune() -> int:
+    """Beat: traces untouched for HANGAR_TRACE_RETENTION_DAYS go, with their spans and logs."""
+    return traces.traces_prune()
 
 
 @shared_task

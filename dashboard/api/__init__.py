@@ -114,6 +114,7 @@ from .site import router as site_router  # noqa: E402
 from .system import router as system_router  # noqa: E402
 from .teams import router as teams_router  # noqa: E402
 from .tokens import router as tokens_router  # noqa: E402
+from .traces import router as traces_router  # noqa: E402
 from .volumes import router as volumes_router  # noqa: E402
 
 api.add_router("/sandboxes", sandboxes_router)
@@ -129,5 +130,6 @@ api.add_router("/site", site_router)
 api.add_router("/harnesses", harnesses_router)
 api.add_router("/runs", runs_router)
 api.add_router("/ssh-keys", ssh_keys_router)
+api.add_router("/traces", traces_router)
 api.add_router("", system_router)
 document_errors(api)

@@ -109,6 +109,9 @@ RULES: dict[tuple[str, str], Rule] = {
     ("PUT", "/secrets/{name}"): _write("secrets", "admin"),
     ("DELETE", "/secrets/{name}"): _write("secrets", "admin"),
     ("GET", "/audit"): _read_as("audit", "admin"),
+    ("GET", "/traces"): _read("traces"),
+    ("GET", "/traces/{trace_id}"): _read("traces"),
+    ("GET", "/traces/{trace_id}/values/{value_id}"): _read("traces"),
     # Harnesses: members create and use them (a shell is a member's right); viewers look.
     ("POST", "/harnesses"): _write("harnesses"),
     ("GET", "/harnesses"): _read("harnesses"),

@@ -213,3 +213,15 @@ def secrets_rotate() -> int:
         Harness.objects.filter(id=hid).update(api_token_ciphertext=f.rotate(bytes(ct)))
         n += 1
     return n
+
+
+def team_values(*, team_id: int) -> list[str]:
+    """The team's secrets' values, decrypted: what is masked out of what the team's agents and
+    sandboxes report (their telemetry). Never logged, never stored."""
+    out = []
+    for name, ciphertext in Secret.objects.filter(team_id=team_id).values_list("name", "ciphertext"):
+        try:
+            out.append(decrypt(ciphertext))
+        except InvalidToken:
+            log.error("secret %s of team %s cannot be decrypted with the configured keys", name, team_id)
+    return out

@@ -1,0 +1,296 @@
+"""Traces: spans and log records stored per team (from OTLP, :mod:`.otlp`), read back as a
+list of traces and as one trace's spans and logs, and pruned after their retention.
+
+Storing is one transaction per export request: the spans in one bulk insert, each trace's
+summary (:class:`runtime.models.Trace`) created or grown in place, so concurrent batches of one
+trace add up. The team's secrets' values are masked out of every string first, as they are in
+run output; a string attribute over ``HANGAR_TRACE_VALUE_BYTES`` is cut, and kept whole beside
+the trace (``hangar.truncated.<key>`` names where)."""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+from django.conf import settings
+from django.db import transaction
+from django.db.models import F, Q, QuerySet
+from django.db.models.functions import Greatest, Least
+from django.utils import timezone
+
+from ..errors import InvalidValue, NotFound
+from ..models import Team, Trace, TraceLog, TraceSpan, TraceValue
+from . import secrets as secret_svc
+from .otlp import Decoded
+
+MAX_LIST = 1000
+CHUNK = 1000  # rows per delete when pruning
+
+
+# -- storing ------------------------------------------------------------------------------------
+
+
+def _masker(team_id: int) -> Any:
+    values = sorted({v for v in secret_svc.team_values(team_id=team_id) if v}, key=len, reverse=True)
+    if not values:
+        return lambda x: x
+
+    def mask(x: Any) -> Any:
+        if isinstance(x, str):
+            for v in values:
+                if v in x:
+                    x = x.replace(v, "***")
+            return x
+        if isinstance(x, list):
+            return [mask(i) for i in x]
+        if isinstance(x, dict):
+            return {k: mask(i) for k, i in x.items()}
+        return x
+
+    return mask
+
+
+def _bounded(
+    team_id: int, trace_id: str, attrs: dict[str, Any], later: list[tuple[str, TraceValue]]
+) -> dict[str, Any]:
+    limit = int(settings.HANGAR_TRACE_VALUE_BYTES)
+    out = dict(attrs)
+    for key, v in attrs.items():
+        if isinstance(v, str) and len(v) > limit:
+            out[key] = v[:limit]
+            later.append((key, TraceValue(team_id=team_id, trace_id=trace_id, value=v)))
+    return out
+
+
+def spans_store(*, team: Team, decoded: Decoded) -> int:
+    """Store the decoded spans for ``team``; returns how many."""
+    if not decoded.rows:
+        return 0
+    mask = _masker(team.id)
+    spans: list[TraceSpan] = []
+    big: list[tuple[TraceSpan, list[tuple[str, TraceValue]]]] = []
+    summary: dict[str, dict[str, Any]] = {}
+    for row in decoded.rows:
+        row = mask(row)
+        later: list[tuple[str, TraceValue]] = []
+        row["attributes"] = _bounded(team.id, row["trace_id"], row["attributes"], later)
+        span = TraceSpan(team=team, **row)
+        spans.append(span)
+        if later:
+            big.append((span, later))
+        s = summary.setdefault(row["trace_id"], {"n": 0, "errors": 0, "start": row["start_ns"],
+                                                 "end": row["end_ns"], "root": None, "service": row["service"]})  # fmt: skip
+        s["n"] += 1
+        s["errors"] += row["status_code"] == 2
+        s["start"], s["end"] = min(s["start"], row["start_ns"]), max(s["end"], row["end_ns"])
+        if not row["parent_span_id"] and s["root"] is None:
+            s["root"], s["service"] = row["name"], row["service"] or s["service"]
+    with transaction.atomic():
+        for span, later in big:
+            TraceValue.objects.bulk_create([v for _, v in later])
+            for key, v in later:
+                span.attributes[f"hangar.truncated.{key}"] = v.id
+        TraceSpan.objects.bulk_create(spans, batch_size=500)
+        Trace.objects.bulk_create(
+            [Trace(team=team, trace_id=t, start_ns=s["start"], end_ns=s["end"], service=s["service"])
+             for t, s in summary.items()],
+            ignore_conflicts=True,
+        )  # fmt: skip
+        for trace_id, s in summary.items():
+            changes: dict[str, Any] = {
+                "span_count": F("span_count") + s["n"], "error_count": F("error_count") + s["errors"],
+                "start_ns": Least(F("start_ns"), s["start"]), "end_ns": Greatest(F("end_ns"), s["end"]),
+                "updated_at": timezone.now(),
+            }  # fmt: skip
+            if s["root"] is not None:
+                changes.update(root_name=s["root"], service=s["service"])
+            Trace.objects.filter(team=team, trace_id=trace_id).update(**changes)
+    return len(spans)
+
+
+def logs_store(*, team: Team, decoded: Decoded) -> int:
+    if not decoded.rows:
+        return 0
+    mask = _masker(team.id)
+    TraceLog.objects.bulk_create([TraceLog(team=team, **mask(row)) for row in decoded.rows], batch_size=500)
+    return len(decoded.rows)
+
+
+# -- reading ------------------------------------------------------------------------------------
+
+
+def iso(ns: int) -> str:
+    return datetime.fromtimestamp(ns / 1e9, tz=UTC).isoformat().replace("+00:00", "Z")
+
+
+def _ns(when: datetime) -> int:
+    return int(when.timestamp() * 1_000_000_000)
+
+
+def traces_list(
+    *,
+    team: Team,
+    sandbox: str = "",
+    harness: str = "",
+    run: str = "",
+    service: str = "",
+    status: str = "",
+    since: datetime | None = None,
+    until: datetime | None = None,
+    min_duration_ms: float | None = None,
+    limit: int = 100,
+) -> list[dict[str, Any]]:
+    """The team's traces, newest first; ``sandbox`` (``run``, ``harness``) matches a trace with
+    any span tied to it."""
+    if not 1 <= limit <= MAX_LIST:
+        raise InvalidValue(f"limit must be between 1 and {MAX_LIST}, got {limit}")
+    if status not in ("", "error", "ok"):
+        raise InvalidValue(f"status must be error or ok, got {status!r}")
+    qs: QuerySet[Trace] = Trace.objects.filter(team=team)
+    for column, wanted in (("sandbox_id", sandbox), ("harness_id", harness), ("run_id", run)):
+        if wanted:
+            spans = TraceSpan.objects.filter(team=team, **{column: wanted}).values("trace_id")
+            logs = (
+                TraceLog.objects.filter(team=team, **{column: wanted}).exclude(trace_id="").values("trace_id")
+            )
+            qs = qs.filter(Q(trace_id__in=spans) | Q(trace_id__in=logs))
+    if service:
+        qs = qs.filter(service=service)
+    if status == "error":
+        qs = qs.filter(error_count__gt=0)
+    elif status == "ok":
+        qs = qs.filter(error_count=0)
+    if since is not None:
+        qs = qs.filter(start_ns__gte=_ns(since))
+    if until is not None:
+        qs = qs.filter(start_ns__lt=_ns(until))
+    if min_duration_ms is not None:
+        qs = qs.filter(end_ns__gte=F("start_ns") + int(min_duration_ms * 1_000_000))
+    return [
+        {"trace_id": t.trace_id, "root_name": t.root_name, "service": t.service, "span_count": t.span_count,
+         "error_count": t.error_count, "duration_ms": (t.end_ns - t.start_ns) / 1e6, "started_at": iso(t.start_ns)}
+        for t in qs.order_by("-start_ns")[:limit]
+    ]  # fmt: skip
+
+
+def _check_id(trace_id: str) -> str:
+    if len(trace_id) != 32 or any(c not in "0123456789abcdef" for c in trace_id):
+        raise NotFound(f"no trace {trace_id[:64]!r} (a trace id is 32 lowercase hex characters)")
+    return trace_id
+
+
+def span_dict(s: TraceSpan) -> dict[str, Any]:
+    return {
+        "span_id": s.span_id, "parent_span_id": s.parent_span_id or None, "name": s.name, "kind": s.kind,
+        "start_time": iso(s.start_ns), "end_time": iso(s.end_ns), "start_ns": s.start_ns, "end_ns": s.end_ns,
+        "duration_ms": (s.end_ns - s.start_ns) / 1e6,
+        "status": {"code": ("unset", "ok", "error")[s.status_code] if 0 <= s.status_code <= 2 else "unset",
+                   "message": s.status_message},
+        "attributes": s.attributes, "events": s.events, "links": s.links, "resource": s.resource,
+        "scope": s.scope, "service": s.service,
+    }  # fmt: skip
+
+
+def log_dict(r: TraceLog) -> dict[str, Any]:
+    return {
+        "time": iso(r.time_ns), "time_ns": r.time_ns, "span_id": r.span_id or None,
+        "severity_number": r.severity_number, "severity_text": r.severity_text, "body": r.body,
+        "attributes": r.attributes, "resource": r.resource, "service": r.service,
+    }  # fmt: skip
+
+
+def trace_get(*, team: Team, trace_id: str) -> tuple[Trace, QuerySet[TraceSpan], QuerySet[TraceLog]]:
+    """The trace, its spans (by start) and its log records (by time). Another team's is not found."""
+    trace = Trace.objects.filter(team=team, trace_id=_check_id(trace_id)).first()
+    if trace is None:
+        raise NotFound(f"no trace {trace_id!r}")
+    spans = TraceSpan.objects.filter(team=team, trace_id=trace_id).order_by("start_ns", "id")
+    logs = TraceLog.objects.filter(team=team, trace_id=trace_id).order_by("time_ns", "id")
+    return trace, spans, logs
+
+
+def trace_value(*, team: Team, trace_id: str, value_id: int) -> str:
+    """A value cut in a span's attributes, whole."""
+    row = TraceValue.objects.filter(team=team, trace_id=_check_id(trace_id), id=value_id).first()
+    if row is None:
+        raise NotFound(f"no value {value_id} in trace {trace_id}")
+    return row.value
+
+
+# -- OTLP/JSON export ---------------------------------------------------------------------------
+
+
+def _any(v: Any) -> dict[str, Any]:
+    if isinstance(v, bool):
+        return {"boolValue": v}
+    if isinstance(v, int):
+        return {"intValue": str(v)}
+    if isinstance(v, float):
+        return {"doubleValue": v}
+    if isinstance(v, list):
+        return {"arrayValue": {"values": [_any(i) for i in v]}}
+    if isinstance(v, dict):
+        return {"kvlistValue": {"values": _kvs(v)}}
+    return {"stringValue": "" if v is None else str(v)}
+
+
+def _kvs(attrs: dict[str, Any]) -> list[dict[str, Any]]:
+    return [{"key": k, "value": _any(v)} for k, v in attrs.items()]
+
+
+def trace_otlp(spans: QuerySet[TraceSpan]) -> dict[str, Any]:
+    """The trace as an OTLP/JSON export request (hex ids), its spans grouped by resource and scope."""
+    groups: dict[tuple[str, str, str], list[TraceSpan]] = {}
+    for s in spans:
+        key = (json.dumps(s.resource, sort_keys=True), s.scope.get("name", ""), s.scope.get("version", ""))
+        groups.setdefault(key, []).append(s)
+    resource_spans = []
+    for (resource, scope_name, scope_version), members in groups.items():
+        resource_spans.append({
+            "resource": {"attributes": _kvs(json.loads(resource))},
+            "scopeSpans": [{
+                "scope": {"name": scope_name, "version": scope_version},
+                "spans": [{
+                    "traceId": s.trace_id, "spanId": s.span_id, "parentSpanId": s.parent_span_id,
+                    "name": s.name, "kind": s.kind, "startTimeUnixNano": str(s.start_ns),
+                    "endTimeUnixNano": str(s.end_ns), "attributes": _kvs(s.attributes),
+                    "events": [{"name": e.get("name", ""), "timeUnixNano": str(e.get("time_ns", 0)),
+                                "attributes": _kvs(e.get("attributes") or {})} for e in s.events],
+                    "links": [{"traceId": link.get("trace_id", ""), "spanId": link.get("span_id", ""),
+                               "attributes": _kvs(link.get("attributes") or {})} for link in s.links],
+                    "status": {"code": s.status_code, "message": s.status_message},
+                } for s in members],
+            }],
+        })  # fmt: skip
+    return {"resourceSpans": resource_spans}
+
+
+# -- retention ----------------------------------------------------------------------------------
+
+
+def traces_prune(*, now: datetime | None = None) -> int:
+    """Delete traces not written to for ``HANGAR_TRACE_RETENTION_DAYS`` (0: keep all), with their
+    spans, logs and kept values, and log records without a trace as old; returns traces deleted."""
+    days = int(settings.HANGAR_TRACE_RETENTION_DAYS)
+    if not days:
+        return 0
+    cutoff = (now or timezone.now()) - timedelta(days=days)
+    pruned = 0
+    while ids := list(
+        Trace.objects.filter(updated_at__lt=cutoff).values_list("id", "team_id", "trace_id")[:CHUNK]
+    ):
+        by_team: dict[int, list[str]] = defaultdict(list)
+        for _, team_id, trace_id in ids:
+            by_team[team_id].append(trace_id)
+        for model in (TraceSpan, TraceLog, TraceValue):
+            for team_id, trace_ids in by_team.items():
+                model.objects.filter(team_id=team_id, trace_id__in=trace_ids).delete()
+        Trace.objects.filter(id__in=[i for i, _, _ in ids]).delete()
+        pruned += len(ids)
+    while pks := list(
+        TraceLog.objects.filter(trace_id="", created_at__lt=cutoff).values_list("pk", flat=True)[:CHUNK]
+    ):
+        TraceLog.objects.filter(pk__in=pks).delete()
+    return pruned
