@@ -41,8 +41,9 @@ def retried(
 
 
 @retried(retries=3, delay=2, gives_up="provisioning failed", acks_late=True)
-def provision(sandbox_id: str) -> None:
-    node_svc.node_sandbox_start(sandbox_id=sandbox_id)
+def provision(sandbox_id: str, traceparent: str = "") -> None:
+    """``traceparent``: the span of the create that asked (the start's phases go under it)."""
+    node_svc.node_sandbox_start(sandbox_id=sandbox_id, traceparent=traceparent)
 
 
 @retried(retries=5, delay=3, acks_late=True)

@@ -18,6 +18,7 @@ from runtime.notify import sandbox_channel
 from runtime.services import harnesses as svc
 from runtime.services import processes as proc_svc
 from runtime.services import runs as run_svc
+from runtime.services import spans
 from runtime.services import ssh_keys as key_svc
 from runtime.services.runs import MAX_PROMPT
 from runtime.services.sandboxes import SETTLED
@@ -151,6 +152,9 @@ class RunOut(Schema):
     created_at: datetime
     started_at: datetime | None
     finished_at: datetime | None
+    trace_id: str = Field(
+        description="the run's trace (GET /traces/{trace_id}): Hangar's spans and the agent's"
+    )
 
 
 def run_out(r: Run) -> RunOut:
@@ -159,7 +163,7 @@ def run_out(r: Run) -> RunOut:
         exit_code=r.exit_code, error=r.error, duration_ms=r.duration_ms, diff=r.diff,
         diff_truncated=r.diff_truncated, timeout_s=r.timeout_s, process=r.exec_id,
         sandbox=r.exec.sandbox_id if r.exec_id and r.exec else r.harness.sandbox_id, created_at=r.created_at,
-        started_at=r.started_at, finished_at=r.finished_at,
+        started_at=r.started_at, finished_at=r.finished_at, trace_id=spans.run_trace(r.id).trace_id,
     )  # fmt: skip
 
 

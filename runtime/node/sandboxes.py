@@ -6,6 +6,7 @@ is acted on."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from datetime import timedelta
 from typing import Any
@@ -19,6 +20,7 @@ from ..launchers.base import LauncherError, SandboxSpec
 from ..lifecycle import transition, transition_row
 from ..models import Node, Sandbox
 from ..services import secrets as secret_svc
+from ..services import spans
 from ..services import volumes as volume_svc
 from ..services.sandbox_calls import handle_of, sandbox_fail
 from ..services.sandboxes import PAUSE_MODE_CHECKPOINT, PAUSE_MODE_STOP
@@ -28,12 +30,25 @@ log = logging.getLogger(__name__)
 S = Sandbox.Status
 
 
-def node_sandbox_start(*, sandbox_id: str) -> None:
-    """Start the sandbox on this node; safe to run twice (only a pending row is claimed)."""
+def node_sandbox_start(*, sandbox_id: str, traceparent: str = "") -> None:
+    """Start the sandbox on this node; safe to run twice (only a pending row is claimed). Its
+    phases are spans under ``traceparent`` (the create's), when given."""
     sandbox = transition_row(sandbox_id, to=S.STARTING, frm=[S.PENDING])
     if sandbox is None:
         return
-    _boot(sandbox_id, S.STARTING, sandbox)
+    parent = spans.parse_traceparent(traceparent)
+    with spans.span("sandbox.start", team_id=sandbox.team_id, sandbox_id=sandbox_id, parent=parent,
+                    attributes={"hangar.node": local_node_name(), "hangar.image": sandbox.image}):  # fmt: skip
+        _boot(sandbox_id, S.STARTING, sandbox)
+
+
+def _phase(name: str, sandbox: Sandbox) -> Any:
+    """A phase of a start as a span under it (a resume's start has none: nothing to hang it on)."""
+    if spans.PARENT.get() is None:
+        return contextlib.nullcontext(
+            spans.OpenSpan(name, sandbox.team_id, spans.SpanContext("", ""), "", 0, 0)
+        )
+    return spans.span(f"sandbox.start.{name}", team_id=sandbox.team_id, sandbox_id=sandbox.id)
 
 
 def _boot(sandbox_id: str, frm: str, sandbox: Sandbox | None = None) -> None:
@@ -42,7 +57,8 @@ def _boot(sandbox_id: str, frm: str, sandbox: Sandbox | None = None) -> None:
     if sandbox is None:
         sandbox = Sandbox.objects.get(id=sandbox_id)
     try:
-        info = image_store().get(sandbox.image_digest)
+        with _phase("image", sandbox):
+            info = image_store().get(sandbox.image_digest)
     except ImageError:
         transition(
             sandbox_id,
@@ -53,7 +69,8 @@ def _boot(sandbox_id: str, frm: str, sandbox: Sandbox | None = None) -> None:
         return
     image_env = dict(e.split("=", 1) for e in info.config.get("env") or [] if "=" in e)
     try:
-        mounts = volume_svc.sandbox_mounts(sandbox)
+        with _phase("volumes", sandbox):
+            mounts = volume_svc.sandbox_mounts(sandbox)
     except VolumeError as exc:
         transition(sandbox_id, to=S.FAILED, frm=[frm], reason=f"its volumes could not be mounted: {exc}")
         return
@@ -81,7 +98,10 @@ def _boot(sandbox_id: str, frm: str, sandbox: Sandbox | None = None) -> None:
             resumed = f"resumed afresh over its files: the checkpoint could not be restored ({exc})"
     try:
         if handle is None:
-            handle = launcher.create(spec)
+            # The launcher's create makes the disk and the network and starts the runtime.
+            with _phase("launch", sandbox) as launch:
+                launch.set({"hangar.runtime": sandbox.runtime, "hangar.network": bool(sandbox.network)})
+                handle = launcher.create(spec)
     except LauncherError as exc:
         log.warning("sandbox %s failed to start: %s", sandbox_id, exc)
         transition(sandbox_id, to=S.FAILED, frm=[frm], reason=str(exc))

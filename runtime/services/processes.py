@@ -28,6 +28,7 @@ from ..aio import blocking
 from ..errors import Conflict, InvalidValue, NodeUnavailable, NotFound
 from ..models import Exec, Sandbox, Team, Terminal
 from . import secrets as secret_svc
+from . import spans
 from .auth import sandbox_reached
 from .channel_layer import channel_layer
 from .checks import validate_command_size
@@ -167,6 +168,18 @@ async def _process_start(
         )  # fmt: skip
         return row, full
 
+    with spans.span("process.start", team_id=sandbox.team_id, sandbox_id=sandbox.id,
+                    attributes={"process.command_args": argv, "hangar.process.tty": tty}) as traced:  # fmt: skip
+        row, follower = await _launch(sandbox, create, argv, env, cwd, tty, rows, cols, timeout_s, stdin,
+                                      stdin_open, mask, follow)  # fmt: skip
+        traced.set({"hangar.exec.id": row.id, "process.pid": row.pid})
+    return row, follower
+
+
+async def _launch(
+    sandbox: Sandbox, create: Any, argv: list[str], env: Any, cwd: str | None, tty: bool, rows: int, cols: int,
+    timeout_s: float | None, stdin: bytes | None, stdin_open: bool, mask: list[str] | None, follow: bool,
+) -> tuple[Exec, ProcessFollow | None]:  # fmt: skip
     row, env = await _db(create)()
     fields = {
         "argv": argv, "env": env, "cwd": cwd, "tty": tty, "rows": rows, "cols": cols, "timeout": timeout_s,
@@ -239,6 +252,16 @@ async def terminal_open(
             created_by=user if user is not None and user.is_authenticated else None,
         )  # fmt: skip
 
+    with spans.span("terminal.open", team_id=sandbox.team_id, sandbox_id=sandbox.id,
+                    attributes={"process.command_args": argv}) as traced:  # fmt: skip
+        row = await _open_terminal(sandbox, create, argv, env, cwd, rows, cols)
+        traced.set({"hangar.terminal.id": row.id, "process.pid": row.pid})
+    return row
+
+
+async def _open_terminal(
+    sandbox: Sandbox, create: Any, argv: list[str], env: dict[str, str], cwd: str | None, rows: int, cols: int
+) -> Terminal:
     row = await _db(create)()
     fields = {
         "argv": argv, "env": env, "cwd": cwd, "tty": True, "rows": rows, "cols": cols, "timeout": None,

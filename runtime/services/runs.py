@@ -27,7 +27,7 @@ from django.utils import timezone
 from .. import enqueue, presets, streams
 from ..errors import Conflict, InvalidValue, NotFound, ServiceError
 from ..models import Exec, Harness, Run, Sandbox, Team
-from . import audit
+from . import audit, spans
 from . import harnesses as harness_svc
 from . import sandbox_io as io_svc
 from .channel_layer import run_with_own_layer
@@ -105,13 +105,39 @@ def _end(run_id: str, status: str, *, frm: tuple[str, ...], error: str = "", **f
     done = Run.objects.filter(id=run_id, status__in=frm).update(status=status, error=error[:4000], finished_at=now,
                                                                  **fields)  # fmt: skip
     if done:
-        run = Run.objects.select_related("harness").get(id=run_id)
+        run = Run.objects.select_related("harness", "exec").get(id=run_id)
+        _trace_end(run)
         took = f" in {run.duration_ms / 1000:.1f} s" if run.duration_ms is not None else ""
         code = f" (exit code {run.exit_code})" if run.exit_code is not None else ""
         why = f": {error}" if error and status != Run.Status.SUCCEEDED else ""
         harness_svc.harness_log(run.harness, "event", f"run {run.id} {status}{took}{code}{why}", run=run)
         harness_svc.harness_notify(run.harness)
     return bool(done)
+
+
+def _trace_end(run: Run) -> None:
+    """The run's trace gets its root span (and its agent's process, if it ran) once it ends."""
+    root = spans.run_trace(run.id)
+    h = run.harness
+    ties = {"hangar.run.id": run.id, "hangar.harness.id": h.id, "hangar.sandbox.id": h.sandbox_id or ""}
+    end = spans.ns(run.finished_at or timezone.now())
+    ex = run.exec
+    if ex is not None and ex.started_at is not None:
+        spans.record(
+            "run.agent", team_id=h.team_id, context=spans.SpanContext(root.trace_id, spans.new_span_id()),
+            parent_span_id=root.span_id, start_ns=spans.ns(ex.started_at),
+            end_ns=spans.ns(ex.finished_at) if ex.finished_at else end,
+            attributes={**ties, "process.command_args": _elide(run.argv, run.prompt), "process.exit_code": ex.exit_code,
+                        "hangar.exec.id": ex.id},
+            error=ex.error or ("" if ex.exit_code in (0, None) else f"exit code {ex.exit_code}"),
+        )  # fmt: skip
+    spans.record(
+        "invoke_agent", team_id=h.team_id, context=root, parent_span_id="",
+        start_ns=spans.ns(run.created_at), end_ns=end,
+        attributes={**ties, "gen_ai.operation.name": "invoke_agent", "gen_ai.agent.name": h.agent,
+                    "hangar.run.status": run.status, "process.exit_code": run.exit_code},
+        error="" if run.status == Run.Status.SUCCEEDED else (run.error or run.status), kind=spans.SERVER,
+    )  # fmt: skip
 
 
 def run_start(*, run_id: str) -> None:
@@ -147,8 +173,22 @@ def _run_start(run_id: str) -> None:
         )
         return
     sandbox = Sandbox.objects.select_related("node").get(id=h.sandbox_id)
+    # What Hangar does for the run goes in the run's trace, under its root span.
+    parent = spans.set_parent(spans.run_trace(run.id))
     try:
-        tree = io_svc.sandbox_exec(sandbox=sandbox, cmd=presets.TREE_SCRIPT, timeout_s=300, keep_output=False)
+        _launch_run(run, h, sandbox)
+    finally:
+        spans.reset_parent(parent)
+
+
+def _launch_run(run: Run, h: Harness, sandbox: Sandbox) -> None:
+    try:
+        with spans.span(
+            "run.setup", team_id=h.team_id, sandbox_id=sandbox.id, run_id=run.id, harness_id=h.id
+        ):
+            tree = io_svc.sandbox_exec(
+                sandbox=sandbox, cmd=presets.TREE_SCRIPT, timeout_s=300, keep_output=False
+            )
         tree_before = _tree_id(tree.result.stdout) if tree.result.exit_code == 0 else ""
     except ServiceError as exc:
         _end(
@@ -162,6 +202,8 @@ def _run_start(run_id: str) -> None:
         "HANGAR_PROMPT": run.prompt,
         "HANGAR_RUN_ID": run.id,
         "OTEL_RESOURCE_ATTRIBUTES": f"hangar.team={h.team_id},hangar.harness.id={h.id},hangar.run.id={run.id}",
+        # The run's root span: an agent (or a script) that honours it puts its spans in the run's trace.
+        "TRACEPARENT": spans.traceparent(spans.run_trace(run.id)),
     }
     if not Run.objects.filter(id=run.id, status=Run.Status.QUEUED).exists():
         return  # cancelled meanwhile
@@ -202,30 +244,12 @@ def run_finish(*, run_id: str) -> None:
     ex = run.exec
     if ex.status == Exec.Status.RUNNING:
         return
-    diff, truncated, note = "", False, ""
     sandbox = Sandbox.objects.select_related("node").filter(id=run.harness.sandbox_id).first()
-    if run.tree_before and sandbox is not None and sandbox.status == Sandbox.Status.RUNNING:
-        try:
-            after = io_svc.sandbox_exec(
-                sandbox=sandbox, cmd=presets.TREE_SCRIPT, timeout_s=300, keep_output=False
-            )
-            tree_after = _tree_id(after.result.stdout)
-            if after.result.exit_code == 0 and tree_after:
-                out = io_svc.sandbox_exec(
-                    sandbox=sandbox,
-                    cmd=presets.diff_script(run.tree_before, tree_after),
-                    timeout_s=300,
-                    keep_output=False,
-                )
-                data = out.result.stdout
-                truncated = len(data) > DIFF_MAX_BYTES or out.result.truncated
-                masker = streams.Masker(harness_svc.mask_values(run.harness))
-                data = masker.feed(bytes(data[:DIFF_MAX_BYTES])) + masker.flush()
-                diff = data.decode("utf-8", "replace")
-        except ServiceError as exc:
-            note = f"; the diff could not be taken: {exc.message}"
-    elif run.tree_before:
-        note = "; the diff could not be taken: the harness stopped"
+    parent = spans.set_parent(spans.run_trace(run.id))
+    try:
+        diff, truncated, note = _diff(run, sandbox)
+    finally:
+        spans.reset_parent(parent)
     if run.cancel_requested:
         status, error = Run.Status.CANCELLED, "cancelled"
     elif ex.timed_out:
@@ -237,6 +261,32 @@ def run_finish(*, run_id: str) -> None:
         error = ex.error or (f"exit code {ex.exit_code}" if ex.exit_code is not None else "it was lost")
     _end(run.id, status, frm=(Run.Status.RUNNING,), error=(error + note).lstrip("; "), exit_code=ex.exit_code,
          duration_ms=ex.duration_ms, diff=diff, diff_truncated=truncated)  # fmt: skip
+
+
+def _diff(run: Run, sandbox: Sandbox | None) -> tuple[str, bool, str]:
+    """What the run changed in the workspace: (diff, truncated, a note if it could not be taken)."""
+    if not run.tree_before:
+        return "", False, ""
+    if sandbox is None or sandbox.status != Sandbox.Status.RUNNING:
+        return "", False, "; the diff could not be taken: the harness stopped"
+    h = run.harness
+    try:
+        with spans.span("run.diff", team_id=h.team_id, sandbox_id=sandbox.id, run_id=run.id, harness_id=h.id):
+            after = io_svc.sandbox_exec(
+                sandbox=sandbox, cmd=presets.TREE_SCRIPT, timeout_s=300, keep_output=False
+            )
+            tree_after = _tree_id(after.result.stdout)
+            if after.result.exit_code != 0 or not tree_after:
+                return "", False, ""
+            out = io_svc.sandbox_exec(sandbox=sandbox, cmd=presets.diff_script(run.tree_before, tree_after),
+                                      timeout_s=300, keep_output=False)  # fmt: skip
+    except ServiceError as exc:
+        return "", False, f"; the diff could not be taken: {exc.message}"
+    data = out.result.stdout
+    truncated = len(data) > DIFF_MAX_BYTES or out.result.truncated
+    masker = streams.Masker(harness_svc.mask_values(h))
+    data = masker.feed(bytes(data[:DIFF_MAX_BYTES])) + masker.flush()
+    return data.decode("utf-8", "replace"), truncated, ""
 
 
 def _kill(sandbox: Sandbox, exec_id: int) -> None:

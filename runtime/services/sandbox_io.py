@@ -27,7 +27,7 @@ from ..lifecycle import record_event
 from ..models import Exec, Sandbox
 from ..node.local import launcher_for
 from . import secrets as secret_svc
-from . import uploads
+from . import spans, uploads
 from .checks import validate_command_size, validate_env
 from .sandbox_access import sandbox_access
 from .sandbox_calls import file_failure, require_running, runtime_failure, sandbox_call, sandbox_mark_active
@@ -111,6 +111,18 @@ def sandbox_exec(
     )  # fmt: skip
     max_output = settings.HANGAR_EXEC_MAX_OUTPUT_BYTES
     req = ExecRequest(argv=argv, env=env, cwd=cwd, stdin=stdin, timeout=timeout_s, max_output=max_output)
+    with spans.span("exec", team_id=sandbox.team_id, sandbox_id=sandbox.id,
+                    attributes={"process.command_args": argv, "process.working_directory": cwd or ""}) as traced:  # fmt: skip
+        outcome = _exec(sandbox, row, req, argv, keep_output)
+        result = outcome.result
+        traced.set({"process.exit_code": result.exit_code, "hangar.exec.id": row.id,
+                    "hangar.exec.duration_ms": round(result.duration_ms, 2), "hangar.exec.timed_out": result.timed_out})  # fmt: skip
+        if result.exit_code != 0:
+            traced.fail(f"exit code {result.exit_code}" + (" (timed out)" if result.timed_out else ""))
+    return outcome
+
+
+def _exec(sandbox: Sandbox, row: Exec, req: ExecRequest, argv: list[str], keep_output: bool) -> ExecOutcome:
     try:
         result = sandbox_access(sandbox).exec(req)
     except FileOpError as exc:
@@ -143,6 +155,7 @@ def _file_chunks(sandbox: Sandbox, chunks: Iterator[bytes]) -> Iterator[bytes]:
         raise file_failure(sandbox, exc) from exc
 
 
+@spans.traced("file.write")
 def sandbox_file_write(*, sandbox: Sandbox, path: str, data: uploads.Chunks, size: int | None = None) -> int:
     """Write a file inside the sandbox (parents created, replaced atomically). ``data`` may be
     an iterable of chunks: they go to the sandbox as they come, never held whole; ``size`` is
@@ -158,6 +171,7 @@ def sandbox_file_write(*, sandbox: Sandbox, path: str, data: uploads.Chunks, siz
     return written
 
 
+@spans.traced("file.read")
 def sandbox_file_read(
     *, sandbox: Sandbox, path: str, no_pseudo_fs: bool = False
 ) -> tuple[FileEntry, Iterator[bytes]]:

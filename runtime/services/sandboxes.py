@@ -23,7 +23,7 @@ from ..host.network import validate_policy
 from ..lifecycle import record_event, transition
 from ..models import Pool, Sandbox, Team, TeamPolicy
 from ..notify import wait_for_status
-from . import audit, quotas
+from . import audit, quotas, spans
 from . import secrets as secret_svc
 from . import usage as usage_svc
 from . import volumes as volume_svc
@@ -181,6 +181,7 @@ class SandboxRequest:
     disk_mb: int | None = None
 
 
+@spans.traced("sandbox.create")
 def sandbox_create(
     *, team: Team, user: User | None, request: SandboxRequest, created_by_token: Any = None
 ) -> Sandbox:
@@ -323,8 +324,9 @@ def _env_fits(node: Any, runtime: str, env: dict[str, str]) -> None:
 
 
 def _enqueue(task_name: str, sandbox_id: str, queue: str) -> None:
+    args = [sandbox_id] + ([spans.current_traceparent()] if task_name == "provision" else [])
     try:
-        enqueue.send(task_name, [sandbox_id], queue=queue, retry=True, retry_policy=enqueue.RETRY_POLICY)
+        enqueue.send(task_name, args, queue=queue, retry=True, retry_policy=enqueue.RETRY_POLICY)
     except OperationalError as exc:
         # The row is committed; without its task it would wait forever. Say why instead.
         log.error("could not enqueue %s for %s: %s", task_name, sandbox_id, exc)
@@ -386,6 +388,7 @@ def _validate_pause_mode(mode: str, *, ephemeral: bool) -> None:
 ON_EXPIRE_PAUSE, ON_EXPIRE_DESTROY = "pause", "destroy"
 
 
+@spans.traced("sandbox.pause")
 def sandbox_pause(*, sandbox: Sandbox, mode: str | None = None, reason: str = "") -> Sandbox:
     """Pause a running sandbox; either way its CPU and memory are freed. ``stop``: its
     processes and terminals end; its files stay (on volumes, and outside them unless it is
@@ -409,6 +412,7 @@ def sandbox_pause(*, sandbox: Sandbox, mode: str | None = None, reason: str = ""
     return sandbox
 
 
+@spans.traced("sandbox.resume")
 def sandbox_resume(*, sandbox: Sandbox) -> Sandbox:
     """Start a paused sandbox again on its node, over the files it had."""
     if sandbox.status != S.PAUSED:
@@ -433,6 +437,7 @@ def sandbox_resume(*, sandbox: Sandbox) -> Sandbox:
 # -- delete and expiry ------------------------------------------------------------------------
 
 
+@spans.traced("sandbox.delete")
 def sandbox_delete(*, sandbox: Sandbox, reason: str = "deleted") -> None:
     """Stop and destroy the sandbox wherever it runs; the row stays, as ``deleted``."""
     if sandbox.status == S.DELETED:

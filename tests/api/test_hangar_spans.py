@@ -1,0 +1,123 @@
+"""Hangar's own spans, in the same traces as the callers': a create with its start's phases; an
+exec and a file write made inside a real OpenTelemetry SDK's tool span (W3C ``traceparent``)
+land under that span; a harness run is one trace named by the run, with ``TRACEPARENT`` on
+the agent's process. Real runsc sandboxes, the real server, worker and bridge."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import httpx
+from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+from opentelemetry.propagate import inject
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+
+from ..support import requires_runsc
+from .test_harnesses_api import wait_run, wait_status
+
+pytestmark = [requires_runsc]
+
+
+def _trace(api: httpx.Client, trace_id: str, names: set[str], timeout: float = 10) -> dict[str, dict]:
+    """The trace's spans by name, once all of ``names`` are there (spans are written off the
+    request path, within a second)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        r = api.get(f"/traces/{trace_id}")
+        got = {s["name"]: s for s in r.json()["spans"]} if r.status_code == 200 else {}
+        if names <= set(got):
+            return got
+        assert time.monotonic() < deadline, f"{sorted(names - set(got))} missing from {sorted(got)}"
+        time.sleep(0.2)
+
+
+def _traces_of(api: httpx.Client, sandbox_id: str, root: str, timeout: float = 10) -> list[dict]:
+    deadline = time.monotonic() + timeout
+    while True:
+        found = [
+            t for t in api.get("/traces", params={"sandbox": sandbox_id}).json() if t["root_name"] == root
+        ]
+        if found:
+            return found
+        assert time.monotonic() < deadline, f"no {root} trace for {sandbox_id}"
+        time.sleep(0.2)
+
+
+def test_a_create_and_an_exec_under_a_callers_span_are_traced(api, server, team_token, monkeypatch):
+    sb = api.post("/sandboxes", json={"image": "busybox", "memory_mb": 256}).json()
+    assert sb["status"] == "running", sb
+
+    # The create (no traceparent): a trace of its own, the node's start and its phases under it.
+    created = _traces_of(api, sb["id"], "sandbox.create")[0]
+    spans = _trace(api, created["trace_id"], {"sandbox.create", "sandbox.start", "sandbox.start.image",
+                                              "sandbox.start.volumes", "sandbox.start.launch"})  # fmt: skip
+    assert spans["sandbox.create"]["parent_span_id"] is None
+    assert spans["sandbox.start"]["parent_span_id"] == spans["sandbox.create"]["span_id"]
+    for phase in ("image", "volumes", "launch"):
+        assert spans[f"sandbox.start.{phase}"]["parent_span_id"] == spans["sandbox.start"]["span_id"]
+    assert spans["sandbox.start"]["attributes"]["hangar.sandbox.id"] == sb["id"]
+    assert spans["sandbox.create"]["service"] == "hangar"
+
+    # An agent's tool call runs a command in the sandbox, passing its span on.
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_HEADERS", f"Authorization=Bearer {team_token}")
+    provider = TracerProvider(resource=Resource.create({"service.name": "tool-caller"}))
+    provider.add_span_processor(SimpleSpanProcessor(OTLPSpanExporter(endpoint=f"{server}/v1/traces")))
+    tracer = provider.get_tracer("test")
+    with tracer.start_as_current_span("execute_tool", attributes={"gen_ai.tool.name": "bash"}) as tool:
+        headers: dict[str, str] = {}
+        inject(headers)
+        assert headers["traceparent"].startswith("00-")
+        r = api.post(f"/sandboxes/{sb['id']}/exec", headers=headers,
+                     json={"cmd": "echo hi; exit 3", "env": {"API_KEY": "value-never-traced"}})  # fmt: skip
+        assert r.status_code == 200 and r.json()["exit_code"] == 3, r.text
+        r = api.put(
+            f"/sandboxes/{sb['id']}/files", params={"path": "/tmp/a.txt"}, content=b"abc", headers=headers
+        )
+        assert r.status_code in (200, 201, 204), r.text
+    provider.force_flush()
+    provider.shutdown()
+    trace_id = format(tool.get_span_context().trace_id, "032x")
+    tool_id = format(tool.get_span_context().span_id, "016x")
+
+    spans = _trace(api, trace_id, {"execute_tool", "exec", "file.write"})
+    assert spans["exec"]["parent_span_id"] == tool_id and spans["file.write"]["parent_span_id"] == tool_id
+    attrs = spans["exec"]["attributes"]
+    assert attrs["process.command_args"] == ["/bin/sh", "-c", "echo hi; exit 3"]
+    assert attrs["process.exit_code"] == 3 and attrs["hangar.sandbox.id"] == sb["id"]
+    assert isinstance(attrs["hangar.exec.id"], int) and attrs["hangar.exec.duration_ms"] >= 0
+    assert spans["exec"]["status"]["code"] == "error"  # a non-zero exit
+    assert spans["file.write"]["attributes"]["file.path"] == "/tmp/a.txt"
+    assert "value-never-traced" not in json.dumps(api.get(f"/traces/{trace_id}").json())
+    # The caller's trace is found from the sandbox too.
+    assert trace_id in [t["trace_id"] for t in api.get("/traces", params={"sandbox": sb["id"]}).json()]
+
+
+def test_a_harness_run_is_one_trace_named_by_the_run(api, minimal_image):
+    body = {"name": "traced", "agent": "custom", "command": 'echo "tp=$TRACEPARENT"', "image": "minimal",
+            "disk_mb": 256, "memory_mb": 512}  # fmt: skip
+    r = api.post("/harnesses", json=body)
+    assert r.status_code == 201, r.text
+    h = wait_status(api, r.json()["id"], "running")
+    r = api.post(f"/harnesses/{h['id']}/runs", json={"prompt": "say hi"})
+    assert r.status_code in (200, 201, 202), r.text
+    run = wait_run(api, r.json()["id"])
+    assert run["status"] == "succeeded", run
+    trace_id = run["trace_id"]
+    assert len(trace_id) == 32
+
+    # No repository: the workspace has no tree to diff, so no run.diff (the harness tests' runs have one).
+    spans = _trace(api, trace_id, {"invoke_agent", "run.setup", "process.start", "run.agent"})
+    root = spans["invoke_agent"]
+    assert root["parent_span_id"] is None and root["attributes"]["hangar.run.id"] == run["id"]
+    assert root["attributes"]["hangar.harness.id"] == h["id"] and root["status"]["code"] != "error"
+    for name in ("run.setup", "process.start", "run.agent"):
+        assert spans[name]["parent_span_id"] == root["span_id"], name
+    assert spans["exec"]["parent_span_id"] == spans["run.setup"]["span_id"]  # the workspace's tree, read
+    # The agent's process was told the run's root span.
+    output = "".join(line for line in api.get(f"/runs/{run['id']}/logs").text.splitlines() if "tp=" in line)
+    assert f"tp=00-{trace_id}-{root['span_id']}-01" in output, output
+    listed = api.get("/traces", params={"run": run["id"]}).json()
+    assert [t["trace_id"] for t in listed] == [trace_id]
