@@ -6,7 +6,7 @@ from dashboard import otlp
 from dashboard.api import api
 from dashboard.e2b.api import api as e2b_api
 from dashboard.e2b.unsupported import unsupported as e2b_unsupported
-from dashboard.pages import harness_views, sandbox_views, team_views, views
+from dashboard.pages import harness_views, sandbox_views, team_views, trace_views, views
 from dashboard.signin import SignInView, ThrottledAdminAuthenticationForm
 
 admin.site.login_form = ThrottledAdminAuthenticationForm
@@ -47,6 +47,9 @@ urlpatterns = [
     path("runs/<str:run_id>/", harness_views.run_detail, name="run"),
     path("runs/<str:run_id>/cancel/", harness_views.run_cancel, name="run_cancel"),
     path("profile/", harness_views.profile, name="profile"),
+    path("traces/", trace_views.traces, name="traces"),
+    path("traces/<str:trace_id>/", trace_views.trace_detail, name="trace"),
+    path("traces/<str:trace_id>/spans/<str:span_id>/", trace_views.trace_span, name="trace_span"),
     path("images/", views.images, name="images"),
     path("volumes/", views.volumes, name="volumes"),
     path("images/jobs/<int:job_id>/", views.image_job, name="image_job"),

@@ -24,6 +24,7 @@ from runtime.services import images as image_svc
 from runtime.services import processes as proc_svc
 from runtime.services import runs as run_svc
 from runtime.services import secrets as secret_svc
+from runtime.services import spans
 from runtime.services import ssh_keys as key_svc
 
 from .teams import SignedInRequest
@@ -319,7 +320,7 @@ def run_detail(request: HttpRequest, run_id: str) -> HttpResponse:
         "section": "harnesses", "run": run, "h": run.harness, "exec": ex, "active": run.status in Run.ACTIVE,
         "diff_lines": [(ln[:1] if ln[:1] in "+-@" and not ln.startswith(("+++", "---")) else "", ln)
                        for ln in run.diff.splitlines()],
-        "can_change": tc.can_change,
+        "can_change": tc.can_change, "run_trace_id": spans.run_trace(run.id).trace_id,
     }  # fmt: skip
     if is_fragment(request) and request.GET.get("part") == "status":
         return render_page(request, "hangar/partials/run_status.html", context, tc)

@@ -286,3 +286,37 @@ def test_the_harness_form_follows_a_build_of_its_image_and_offers_it_once_built(
     assert page.input_value("#h-image") == "base"
     assert page.is_hidden("#image-missing")
     page.screenshot(path=SHOTS / "24-harness-image-built.png")
+
+
+def test_a_trace_page_shows_the_waterfall_and_the_span_panel(page, server, team_token):
+    """A GenAI-shaped trace sent by the real OpenTelemetry exporter, then browsed."""
+    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+    from opentelemetry.sdk.resources import Resource
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+
+    exporter = OTLPSpanExporter(
+        endpoint=f"{server}/v1/traces", headers={"Authorization": f"Bearer {team_token}"}
+    )
+    provider = TracerProvider(resource=Resource.create({"service.name": "browser-agent"}))
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    tracer = provider.get_tracer("test")
+    messages = '[{"role": "user", "content": "why does the test fail?"}]'
+    with tracer.start_as_current_span("invoke_agent") as root:
+        with tracer.start_as_current_span("chat", attributes={"gen_ai.operation.name": "chat",
+                                                              "gen_ai.input.messages": messages}):  # fmt: skip
+            pass
+        with tracer.start_as_current_span("execute_tool", attributes={"gen_ai.tool.name": "bash"}):
+            pass
+    provider.shutdown()
+    trace_id = format(root.get_span_context().trace_id, "032x")
+    sign_in(page)
+    page.goto("/traces/")
+    page.click(f"tr[data-trace='{trace_id}'] a")
+    page.wait_for_selector(".wf-row .wf-bar.model")
+    page.click(".wf-row:has-text('chat')")
+    page.wait_for_selector("#span-detail .msg-turn.user")
+    assert "why does the test fail?" in page.inner_text("#span-panel")
+    page.screenshot(path=SHOTS / "30-trace.png")
+    page.click(".wf-row[data-depth='0'] .wf-toggle")  # collapse the root: its children hide
+    assert page.locator(".wf-row[data-depth='1']").first.is_hidden()

@@ -1,0 +1,137 @@
+"""The trace pages: the team's traces listed and filtered, a trace's waterfall rendered on the
+server (span names in the HTML, nested, coloured by kind), the span panel (attributes, events,
+a model call's messages as a conversation, logs), paging of a large trace, another team's trace
+not found. Through Django's test client, with spans stored through the ingest's own services."""
+
+from __future__ import annotations
+
+import json
+import re
+import secrets
+import time
+
+import pytest
+from django.contrib.auth import get_user_model
+
+from runtime.models import Membership, Team
+from runtime.services import otlp, traces
+
+
+def _member(username: str, team: Team, role: str = "viewer"):
+    user = get_user_model().objects.create_user(username, password="pw")
+    Membership.objects.create(user=user, team=team, role=role)
+    return user
+
+
+def _kv(attrs: dict) -> list[dict]:
+    def any_value(v):
+        if isinstance(v, bool):
+            return {"boolValue": v}
+        if isinstance(v, int):
+            return {"intValue": str(v)}
+        return {"stringValue": v}
+
+    return [{"key": k, "value": any_value(v)} for k, v in attrs.items()]
+
+
+def _store(team: Team, spans: list[dict], service: str = "agent") -> str:
+    now = time.time_ns()
+    trace_id = secrets.token_hex(16)
+    body = {"resourceSpans": [{"resource": {"attributes": _kv({"service.name": service})}, "scopeSpans": [{"spans": [
+        {"traceId": trace_id, "spanId": s["id"], "parentSpanId": s.get("parent", ""), "name": s["name"],
+         "startTimeUnixNano": str(now + s.get("at", 0) * 1_000_000),
+         "endTimeUnixNano": str(now + (s.get("at", 0) + s.get("ms", 1)) * 1_000_000),
+         "attributes": _kv(s.get("attrs", {})), "status": {"code": s.get("status", 0)},
+         "events": [{"name": e, "timeUnixNano": str(now)} for e in s.get("events", [])]}
+        for s in spans
+    ]}]}]}  # fmt: skip
+    decoded = otlp.span_rows(otlp.parse("traces", json.dumps(body).encode(), "application/json"))
+    traces.spans_store(team=team, decoded=decoded)
+    return trace_id
+
+
+@pytest.fixture
+def crew(db) -> Team:
+    return Team.objects.create(name="crew")
+
+
+def _agent_trace(team: Team) -> tuple[str, dict[str, str]]:
+    ids = {n: secrets.token_hex(8) for n in ("root", "chat", "tool", "exec")}
+    messages = json.dumps([{"role": "user", "content": "fix the failing test"},
+                           {"role": "assistant", "content": "I will run pytest"}])  # fmt: skip
+    trace_id = _store(team, [
+        {"id": ids["root"], "name": "invoke_agent", "ms": 100, "attrs": {"gen_ai.operation.name": "invoke_agent"}},
+        {"id": ids["chat"], "parent": ids["root"], "name": "chat claude", "at": 5, "ms": 40,
+         "attrs": {"gen_ai.operation.name": "chat", "gen_ai.request.model": "claude-x", "gen_ai.input.messages": messages,
+                   "gen_ai.usage.input_tokens": 1200}},
+        {"id": ids["tool"], "parent": ids["root"], "name": "execute_tool bash", "at": 50, "ms": 30, "status": 2,
+         "attrs": {"gen_ai.tool.name": "bash"}, "events": ["tool.result"]},
+        {"id": ids["exec"], "parent": ids["tool"], "name": "exec", "at": 55, "ms": 20,
+         "attrs": {"process.exit_code": 1}},
+    ])  # fmt: skip
+    return trace_id, ids
+
+
+def test_the_traces_page_lists_and_filters_the_teams_traces(client, crew):
+    client.force_login(_member("vera", crew))
+    trace_id, _ = _agent_trace(crew)
+    quiet = _store(crew, [{"id": secrets.token_hex(8), "name": "ping"}], service="other")
+    page = client.get("/traces/")
+    assert page.status_code == 200
+    html = page.content.decode()
+    assert trace_id in html and quiet in html and "invoke_agent" in html
+    errors = client.get("/traces/", {"status": "error"}).content.decode()
+    assert trace_id in errors and quiet not in errors
+    assert quiet not in client.get("/traces/", {"service": "agent"}).content.decode()
+    assert client.get("/traces/", {"from": "not a date"}).status_code == 200  # a message, not an error page
+
+
+def test_a_trace_page_renders_the_waterfall_on_the_server_and_the_span_panel(client, crew):
+    client.force_login(_member("vera", crew))
+    trace_id, ids = _agent_trace(crew)
+    page = client.get(f"/traces/{trace_id}/")
+    assert page.status_code == 200
+    html = page.content.decode()
+    rows = re.findall(r'class="wf-row[^"]*" data-depth="(\d+)" data-span="([0-9a-f]{16})"', html)
+    assert [(int(d), s) for d, s in rows] == [
+        (0, ids["root"]),
+        (1, ids["chat"]),
+        (1, ids["tool"]),
+        (2, ids["exec"]),
+    ]
+    assert "wf-bar model" in html and "wf-bar tool" in html and "wf-bar command" in html
+    assert "chat claude" in html and "execute_tool bash" in html
+
+    panel = client.get(f"/traces/{trace_id}/spans/{ids['chat']}/", HTTP_HX_REQUEST="true").content.decode()
+    assert "gen_ai.request.model" in panel and "claude-x" in panel and "1200" in panel
+    assert (
+        'class="msg-turn user"' in panel and "fix the failing test" in panel and "I will run pytest" in panel
+    )
+    tool_panel = client.get(f"/traces/{trace_id}/spans/{ids['tool']}/").content.decode()
+    assert "tool.result" in tool_panel and "error" in tool_panel
+
+
+def test_another_teams_trace_and_span_are_not_found(client, crew):
+    trace_id, ids = _agent_trace(crew)
+    other = Team.objects.create(name="others")
+    client.force_login(_member("otto", other))
+    assert client.get(f"/traces/{trace_id}/").status_code == 404
+    assert client.get(f"/traces/{trace_id}/spans/{ids['root']}/").status_code == 404
+    assert trace_id not in client.get("/traces/").content.decode()
+    client.logout()
+    assert client.get("/traces/").status_code == 302  # sign in first
+
+
+def test_a_large_trace_is_paged(client, crew, monkeypatch):
+    from dashboard.pages import trace_views
+
+    monkeypatch.setattr(trace_views, "PAGE_SPANS", 50)
+    client.force_login(_member("vera", crew))
+    root = secrets.token_hex(8)
+    trace_id = _store(crew, [{"id": root, "name": "root", "ms": 500}] + [
+        {"id": secrets.token_hex(8), "parent": root, "name": f"step {i}", "at": i, "ms": 1} for i in range(120)
+    ])  # fmt: skip
+    first = client.get(f"/traces/{trace_id}/").content.decode()
+    assert first.count(' data-depth=') == 50 and 'id="trace-next"' in first and "step 48" in first
+    last = client.get(f"/traces/{trace_id}/", {"offset": 100}).content.decode()
+    assert last.count(' data-depth=') == 21 and "step 119" in last and 'id="trace-next"' not in last
