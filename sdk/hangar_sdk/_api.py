@@ -115,6 +115,12 @@ def parse_sandbox(data: Any) -> SandboxInfo:
     return from_dict(SandboxInfo, data)
 
 
+def start_failed(info: SandboxInfo) -> HangarError:
+    """A create answered with a sandbox that failed to start (its reason in ``status_reason``)."""
+    return HangarError(f"sandbox {info.id} failed to start: {info.status_reason}",
+                       body={"id": info.id, "status": info.status})  # fmt: skip
+
+
 def preview_url(data: Any) -> str:
     return str(data["url"])
 

@@ -15,7 +15,7 @@ from ._dirs import afile_chunks, local_target, local_tree
 from ._errors import CommandTimeout, HangarError, NotFoundError
 from ._models import ExecResult, FileEntry, ProcessInfo, SandboxInfo
 from ._transport import AsyncTransport, Config
-from .sandbox import Output, _failed
+from .sandbox import Output
 
 T = TypeVar("T", bound="_Closing")
 
@@ -87,7 +87,7 @@ class AsyncSandbox(_Closing):
             t = AsyncTransport(Config.resolve(url, token))
             info = api.parse_sandbox(await t.json(call))
             if info.status == "failed":
-                raise _failed(info)
+                raise api.start_failed(info)
             return cls(info, t)
 
         return Creating(make)

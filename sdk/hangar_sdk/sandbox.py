@@ -26,11 +26,6 @@ class Output:
     stderr: str
 
 
-def _failed(info: SandboxInfo) -> HangarError:
-    return HangarError(f"sandbox {info.id} failed to start: {info.status_reason}",
-                       body={"id": info.id, "status": info.status})  # fmt: skip
-
-
 class Sandbox:
     """A sandbox. Make one with :meth:`create`, find one with :meth:`get` or :meth:`list`.
     ``with Sandbox.create(...) as sb:`` deletes it at the end of the block."""
@@ -68,7 +63,7 @@ class Sandbox:
                                   network=network, extra=extra)  # fmt: skip
         info = api.parse_sandbox(t.json(call))
         if info.status == "failed":
-            raise _failed(info)
+            raise api.start_failed(info)
         return cls(info, t)
 
     @classmethod
