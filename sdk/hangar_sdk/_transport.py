@@ -132,6 +132,15 @@ class Transport:
         response = self.send(call)
         return response.json() if response.content else None
 
+    def opening(self, call: Call) -> Any:
+        """:meth:`json` for the call that makes this transport's first object: a failure
+        closes its connections, since nothing will hold them."""
+        try:
+            return self.json(call)
+        except BaseException:
+            self.close()
+            raise
+
     @contextlib.contextmanager
     def stream(self, call: Call) -> Iterator[httpx.Response]:
         response = self.send(call, stream=True)
@@ -183,6 +192,13 @@ class AsyncTransport:
     async def json(self, call: Call) -> Any:
         response = await self.send(call)
         return response.json() if response.content else None
+
+    async def opening(self, call: Call) -> Any:
+        try:
+            return await self.json(call)
+        except BaseException:
+            await self.close()
+            raise
 
     @contextlib.asynccontextmanager
     async def stream(self, call: Call) -> AsyncIterator[httpx.Response]:

@@ -85,8 +85,9 @@ class AsyncSandbox(_Closing):
 
         async def make() -> AsyncSandbox:
             t = AsyncTransport(Config.resolve(url, token))
-            info = api.parse_sandbox(await t.json(call))
+            info = api.parse_sandbox(await t.opening(call))
             if info.status == "failed":
+                await t.close()
                 raise api.start_failed(info)
             return cls(info, t)
 
@@ -95,13 +96,13 @@ class AsyncSandbox(_Closing):
     @classmethod
     async def get(cls, sandbox_id: str, *, url: str | None = None, token: str | None = None) -> AsyncSandbox:
         t = AsyncTransport(Config.resolve(url, token))
-        return cls(api.parse_sandbox(await t.json(api.sandbox_get(sandbox_id))), t)
+        return cls(api.parse_sandbox(await t.opening(api.sandbox_get(sandbox_id))), t)
 
     @classmethod
     async def list(cls, status: str | None = None, *, limit: int = 100, offset: int = 0,
                    url: str | None = None, token: str | None = None) -> list[AsyncSandbox]:  # fmt: skip
         t = AsyncTransport(Config.resolve(url, token))
-        rows = await t.json(api.sandbox_list(status=status, limit=limit, offset=offset))
+        rows = await t.opening(api.sandbox_list(status=status, limit=limit, offset=offset))
         return [cls(api.parse_sandbox(row), t) for row in rows]
 
     async def _update(self, call: api.Call) -> AsyncSandbox:

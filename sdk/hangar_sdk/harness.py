@@ -71,7 +71,8 @@ class Harness:
         cloned, the agent installed), raising if that failed or took longer than ``timeout``."""
         t = Transport(Config.resolve(url, token))
         h = cls(
-            api.parse_harness(t.json(api.harness_create(name=name, agent=agent, repo=repo, extra=extra))), t
+            api.parse_harness(t.opening(api.harness_create(name=name, agent=agent, repo=repo, extra=extra))),
+            t,
         )
         if wait:
             h.wait_ready(timeout)
@@ -80,7 +81,7 @@ class Harness:
     @classmethod
     def get(cls, harness_id: str, *, url: str | None = None, token: str | None = None) -> Harness:
         t = Transport(Config.resolve(url, token))
-        return cls(api.parse_harness(t.json(api.harness_get(harness_id))), t)
+        return cls(api.parse_harness(t.opening(api.harness_get(harness_id))), t)
 
     def refresh(self) -> Harness:
         self.info = api.parse_harness(self._t.json(api.harness_get(self.id)))
@@ -193,7 +194,7 @@ class AsyncHarness:
                      token: str | None = None, **extra: Any) -> AsyncHarness:  # fmt: skip
         t = AsyncTransport(Config.resolve(url, token))
         call = api.harness_create(name=name, agent=agent, repo=repo, extra=extra)
-        h = cls(api.parse_harness(await t.json(call)), t)
+        h = cls(api.parse_harness(await t.opening(call)), t)
         if wait:
             await h.wait_ready(timeout)
         return h
@@ -201,7 +202,7 @@ class AsyncHarness:
     @classmethod
     async def get(cls, harness_id: str, *, url: str | None = None, token: str | None = None) -> AsyncHarness:
         t = AsyncTransport(Config.resolve(url, token))
-        return cls(api.parse_harness(await t.json(api.harness_get(harness_id))), t)
+        return cls(api.parse_harness(await t.opening(api.harness_get(harness_id))), t)
 
     async def refresh(self) -> AsyncHarness:
         self.info = api.parse_harness(await self._t.json(api.harness_get(self.id)))

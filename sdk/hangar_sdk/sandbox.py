@@ -61,22 +61,23 @@ class Sandbox:
         t = Transport(Config.resolve(url, token))
         call = api.sandbox_create(image=image, timeout_s=timeout_s, memory_mb=memory_mb, cpu=cpu, env=env,
                                   network=network, extra=extra)  # fmt: skip
-        info = api.parse_sandbox(t.json(call))
+        info = api.parse_sandbox(t.opening(call))
         if info.status == "failed":
+            t.close()
             raise api.start_failed(info)
         return cls(info, t)
 
     @classmethod
     def get(cls, sandbox_id: str, *, url: str | None = None, token: str | None = None) -> Sandbox:
         t = Transport(Config.resolve(url, token))
-        return cls(api.parse_sandbox(t.json(api.sandbox_get(sandbox_id))), t)
+        return cls(api.parse_sandbox(t.opening(api.sandbox_get(sandbox_id))), t)
 
     @classmethod
     def list(cls, status: str | None = None, *, limit: int = 100, offset: int = 0, url: str | None = None,
              token: str | None = None) -> list[Sandbox]:  # fmt: skip
         """The team's sandboxes, newest first (deleted ones only with ``status="deleted"``)."""
         t = Transport(Config.resolve(url, token))
-        rows = t.json(api.sandbox_list(status=status, limit=limit, offset=offset))
+        rows = t.opening(api.sandbox_list(status=status, limit=limit, offset=offset))
         return [cls(api.parse_sandbox(row), t) for row in rows]
 
     # -- its life -------------------------------------------------------------------------------
