@@ -19,6 +19,7 @@ from ._transport import __version__
 from .aio import AsyncFiles, AsyncProcess, AsyncSandbox
 from .harness import AsyncHarness, AsyncRun, Harness, Run
 from .sandbox import Files, Output, Process, Sandbox
+from .terminal import AsyncTerminal, Terminal
 
 __all__ = [
     "AsyncFiles",
@@ -26,6 +27,7 @@ __all__ = [
     "AsyncProcess",
     "AsyncRun",
     "AsyncSandbox",
+    "AsyncTerminal",
     "AuthError",
     "CommandTimeout",
     "ConflictError",
@@ -47,6 +49,7 @@ __all__ = [
     "Sandbox",
     "SandboxInfo",
     "ServerError",
+    "Terminal",
     "TooLargeError",
     "ValidationError",
     "__version__",

@@ -244,6 +244,17 @@ class OutputCollector:
         )  # fmt: skip
 
 
+def terminal_open(sandbox_id: str, *, cmd: str | Sequence[str] | None, cwd: str | None,
+                  env: Mapping[str, str] | None, rows: int, cols: int) -> Call:  # fmt: skip
+    body = _clean({"cmd": cmd if cmd is None or isinstance(cmd, str) else list(cmd), "cwd": cwd,
+                   "env": dict(env) if env else None, "rows": rows, "cols": cols})  # fmt: skip
+    return Call("POST", f"{_sb(sandbox_id)}/terminals", json=body)
+
+
+def terminal_delete(sandbox_id: str, terminal_id: str) -> Call:
+    return Call("DELETE", f"{_sb(sandbox_id)}/terminals/{quote(terminal_id, safe='')}", idempotent=True)
+
+
 # -- files --------------------------------------------------------------------------------------
 
 

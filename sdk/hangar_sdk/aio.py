@@ -16,6 +16,7 @@ from ._errors import CommandTimeout, HangarError, NotFoundError
 from ._models import ExecResult, FileEntry, ProcessInfo, SandboxInfo
 from ._transport import AsyncTransport, Config
 from .sandbox import Output
+from .terminal import AsyncTerminal
 
 T = TypeVar("T", bound="_Closing")
 
@@ -178,6 +179,11 @@ class AsyncSandbox(_Closing):
         async for line in self._t.lines(call):
             collector.feed_line(line)
         return collector.result()
+
+    async def terminal(self, cmd: str | Sequence[str] | None = None, *, cwd: str | None = None,
+                       env: Mapping[str, str] | None = None, rows: int = 24, cols: int = 80) -> AsyncTerminal:  # fmt: skip
+        call = api.terminal_open(self.id, cmd=cmd, cwd=cwd, env=env, rows=rows, cols=cols)
+        return await AsyncTerminal.open(self, await self._t.json(call))
 
     async def process(self, process_id: int) -> AsyncProcess:
         info = await self._process_info(process_id)

@@ -16,6 +16,7 @@ from ._dirs import file_chunks, local_target, local_tree
 from ._errors import CommandTimeout, HangarError, NotFoundError
 from ._models import ExecResult, FileEntry, ProcessInfo, SandboxInfo
 from ._transport import Config, Transport
+from .terminal import Terminal
 
 
 @dataclass
@@ -174,6 +175,13 @@ class Sandbox:
         for line in self._t.lines(call):
             collector.feed_line(line)
         return collector.result()
+
+    def terminal(self, cmd: str | Sequence[str] | None = None, *, cwd: str | None = None,
+                 env: Mapping[str, str] | None = None, rows: int = 24, cols: int = 80) -> Terminal:  # fmt: skip
+        """A shell on a PTY (default: bash if the image has it, else sh, as a login shell),
+        connected: ``send``, ``read_until``, ``recv``, ``resize``, ``kill``. Needs websockets."""
+        call = api.terminal_open(self.id, cmd=cmd, cwd=cwd, env=env, rows=rows, cols=cols)
+        return Terminal(self, self._t.json(call))
 
     def process(self, process_id: int) -> Process:
         """A streamed or background process of this sandbox, by its id."""

@@ -61,6 +61,9 @@ def test_the_async_sdk_runs_streams_backgrounds_and_moves_files(hangar, tmp_path
             assert e.value.status == "paused"
             assert (await sb.resume()).status == "running"
             assert "8000" in await sb.preview_url(8000)
+            async with await sb.terminal(["sh"]) as term:
+                await term.send("echo $((6*7))-mark\n")
+                assert b"42-mark" in await term.read_until("42-mark", timeout=20)
             await sb.keepalive(300)
             sid = sb.id
         # Plain await works too, and the sandbox left by the block is going.

@@ -45,6 +45,7 @@ def _calls() -> list[api.Call]:
         api.exec_call(sb, cmd="true", cwd=None, env=None, stdin=None, timeout_s=None),
         api.process_get(sb, p), api.process_output(sb, p, follow=True),
         api.process_stdin(sb, p, data="x", close=False), api.process_signal(sb, p, signal="KILL"),
+        api.terminal_open(sb, cmd=None, cwd=None, env=None, rows=24, cols=80), api.terminal_delete(sb, "tx"),
         api.file_write(sb, "/x", b""), api.file_read(sb, "/x"), api.file_list(sb, "/"),
         api.harness_create(name="n", agent="custom", repo=None, extra={}), api.harness_get(h),
         api.harness_delete(h, delete_volume=False), api.harness_pause(h), api.harness_resume(h),

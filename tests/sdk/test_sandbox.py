@@ -128,3 +128,18 @@ def test_pause_resume_and_a_preview_url(hangar):
         assert sb.resume().status == "running"
         assert sb.files.read("/data/kept.txt") == b"kept"
         assert sb.refresh().status == "running"
+
+
+def test_a_terminal_runs_a_shell_that_is_typed_into_and_resized(hangar):
+    with Sandbox.create(image="busybox", timeout_s=120) as sb:
+        with sb.terminal(rows=24, cols=80) as term:
+            term.send("echo $((6*7))-mark; stty size\n")
+            assert b"42-mark" in term.read_until("42-mark", timeout=20)
+            assert b"24 80" in term.read_until("24 80", timeout=20)
+            term.resize(30, 100)
+            term.send("stty size\n")
+            term.read_until("30 100", timeout=20)
+            term.send("exit 5\n")
+            while term.recv(timeout=20):
+                pass
+            assert term.exit_code == 5
