@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import time
+from concurrent.futures import ThreadPoolExecutor
+
 import httpx
 import pytest
 
@@ -79,3 +82,17 @@ def test_a_server_that_cannot_be_reached_is_a_network_error_after_retries(monkey
     with pytest.raises(NetworkError) as e:
         Sandbox.get("sbx")
     assert e.value.status_code is None and "ConnectError" in str(e.value)
+
+
+def test_a_command_refused_with_retry_after_is_sent_again_and_runs(hangar):
+    """A team's 9th blocking command at once is a 429 with Retry-After (nothing ran): the SDK
+    waits as told and sends it again, and it runs once a slot is free."""
+    with Sandbox.create(image="busybox", timeout_s=120) as sb:
+        statuses: list[int] = []
+        sb._t.client.event_hooks["response"].append(lambda r: statuses.append(r.status_code))
+        with ThreadPoolExecutor(8) as pool:
+            busy = [pool.submit(Sandbox.get(sb.id).exec, "sleep 3") for _ in range(8)]
+            time.sleep(1)  # all eight are in flight
+            r = sb.exec("echo through")
+            assert [f.result().exit_code for f in busy] == [0] * 8
+        assert r.stdout == "through\n" and 429 in statuses and statuses[-1] == 200, statuses
