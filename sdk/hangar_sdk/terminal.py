@@ -82,8 +82,12 @@ class Terminal:
         config = sandbox._t.config
         # Entered as a context manager: websockets 17 warns about a bare connect(), and the
         # ``legacy`` flag that silences it is unknown to earlier versions.
-        self._ws = connect(websocket_url(config, self.id), additional_headers=_headers(config),
-                           open_timeout=30, max_size=None).__enter__()  # fmt: skip
+        try:
+            self._ws = connect(websocket_url(config, self.id), additional_headers=_headers(config),
+                               open_timeout=30, max_size=None).__enter__()  # fmt: skip
+        except BaseException:  # a shell nobody can reach: end it
+            sandbox._t.json(api.terminal_delete(sandbox.id, self.id))
+            raise
         self._screen = _Screen()
 
     @property
@@ -157,8 +161,12 @@ class AsyncTerminal:
         from websockets.asyncio.client import connect
 
         config = sandbox._t.config
-        ws = await connect(websocket_url(config, info["id"]), additional_headers=_headers(config),
-                           open_timeout=30, max_size=None)  # fmt: skip
+        try:
+            ws = await connect(websocket_url(config, info["id"]), additional_headers=_headers(config),
+                               open_timeout=30, max_size=None)  # fmt: skip
+        except BaseException:
+            await sandbox._t.json(api.terminal_delete(sandbox.id, info["id"]))
+            raise
         return cls(sandbox, info, ws)
 
     @property
