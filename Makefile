@@ -20,10 +20,11 @@ system-deps:
 
 venv: $(VENV)/.installed
 
-$(VENV)/.installed: pyproject.toml
+$(VENV)/.installed: pyproject.toml sdk/pyproject.toml
 	@test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q -e ./sdk
 	@touch $@
 
 test-deps: $(VENV)/e2b-$(E2B_OLDER)/.installed
@@ -41,8 +42,8 @@ test: install test-deps services
 	@scripts/run-tests.sh
 
 lint: venv
-	$(VENV)/bin/ruff check dashboard runtime tests bench
-	$(VENV)/bin/ruff format --check dashboard runtime tests bench
+	$(VENV)/bin/ruff check dashboard runtime tests bench sdk
+	$(VENV)/bin/ruff format --check dashboard runtime tests bench sdk
 	$(VENV)/bin/mypy
 
 bench-tti: install

@@ -3,7 +3,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 VENV=${VENV:-.venv}
-$VENV/bin/ruff check dashboard runtime tests bench || exit 1
+$VENV/bin/ruff check dashboard runtime tests bench sdk || exit 1
 # Types: runtime/ and dashboard/ with the Django stubs ([tool.mypy] in pyproject.toml).
 $VENV/bin/mypy || exit 1
 HANGAR_DATA_DIR=$(mktemp -d) DATABASE_URL= REDIS_URL= $VENV/bin/python manage.py makemigrations --check --dry-run >/dev/null || { echo "missing migrations" >&2; exit 1; }
