@@ -11,6 +11,7 @@ client (2024-11-05 onwards)."""
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import logging
 from contextvars import ContextVar
@@ -46,7 +47,15 @@ INSTRUCTIONS = (
 # which (and whose handlers) inherit it.
 _caller: ContextVar[ApiToken | None] = ContextVar("hangar_mcp_caller", default=None)
 
-server: Server[Any, Any] = Server("hangar", instructions=INSTRUCTIONS)
+
+def _version() -> str:
+    try:
+        return importlib.metadata.version("hangar")
+    except importlib.metadata.PackageNotFoundError:  # run from a checkout that is not installed
+        return "0"
+
+
+server: Server[Any, Any] = Server("hangar", version=_version(), instructions=INSTRUCTIONS)
 
 
 @server.list_tools()
@@ -112,6 +121,8 @@ async def _refuse(send: Any, status: int, detail: str) -> None:
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     if status == 401:
         headers.append((b"www-authenticate", b'Bearer realm="hangar"'))
+    elif status == 405:
+        headers.append((b"allow", b"POST"))
     await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": body})
 
@@ -145,6 +156,11 @@ async def app(scope: Any, receive: Any, send: Any) -> None:
     if found is None:
         await _refuse(send, 401, "missing, invalid, expired or revoked token: send a Hangar API token "
                                  "as Authorization: Bearer hgr_…")  # fmt: skip
+        return
+    if scope["method"] != "POST":
+        # A stateless server has no stream to offer a GET (the spec's answer is 405) and no
+        # session for a DELETE to end; the SDK's transport would hold a GET open for ever.
+        await _refuse(send, 405, "this MCP server is stateless: POST JSON-RPC messages to /mcp")
         return
     token, actor = found
     caller, acting = _caller.set(token), audit.set_actor(actor)

@@ -334,10 +334,9 @@ async def start_run(token: ApiToken, args: dict[str, Any]) -> Result:
     return Result(text, data)
 
 
-async def _output_tail(sandbox: Sandbox, exec_id: int) -> str:
+async def _output_tail(handle: proc_svc.ProcessHandle) -> str:
     """The tail of what the run's process has written so far (stdout and stderr as they came),
     from the stream bridge's ring: what is there now, never waiting for more."""
-    handle = proc_svc.ProcessHandle.of_exec(sandbox, exec_id)
     decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
     text = ""
     try:
@@ -351,13 +350,15 @@ async def _output_tail(sandbox: Sandbox, exec_id: int) -> str:
 
 
 async def get_run(token: ApiToken, args: dict[str, Any]) -> Result:
-    def read() -> tuple[dict[str, Any], Sandbox | None, int | None]:
+    def read() -> tuple[dict[str, Any], proc_svc.ProcessHandle | None]:
         run = run_svc.run_get(team=token.team, run_id=args["run_id"])
-        sandbox = run.exec.sandbox if run.exec_id and run.exec else None
-        return _run_data(run), sandbox, run.exec_id
+        if not (run.exec_id and run.exec):
+            return _run_data(run), None
+        # Where the process runs is read here, on the pool (its node is a row).
+        return _run_data(run), proc_svc.ProcessHandle.of_exec(run.exec.sandbox, run.exec_id)
 
-    data, sandbox, exec_id = await blocking(read)()
-    data["output"] = await _output_tail(sandbox, exec_id) if sandbox and exec_id else ""
+    data, handle = await blocking(read)()
+    data["output"] = await _output_tail(handle) if handle else ""
     return Result(_run_text(data), data)
 
 
@@ -549,7 +550,11 @@ def tools() -> dict[str, Tool]:
 def explain(exc: ServiceError) -> str:
     """A service's refusal as a tool error's text: its message, and what it carries (a quota's
     use and limit, the role needed)."""
-    extra = {k: v for k, v in exc.extra.items() if isinstance(v, str | int | float | bool)}
+    extra = {
+        k: v
+        for k, v in exc.extra.items()
+        if isinstance(v, str | int | float | bool) and str(v) not in exc.message
+    }
     more = f" ({', '.join(f'{k}: {v}' for k, v in extra.items())})" if extra else ""
     return f"{exc.message}{more}"
 

@@ -71,6 +71,13 @@ def test_a_missing_or_wrong_token_is_a_401_before_any_mcp_message(mcp_url, team_
     # Not even a body is read: an unparseable one is refused the same way.
     r = httpx.post(mcp_url, content=b"{", headers=ACCEPT, timeout=30)
     assert r.status_code == 401
+    # Stateless: no stream for a GET, no session for a DELETE (but the token comes first).
+    for method in ("GET", "DELETE"):
+        assert httpx.request(method, mcp_url, headers=ACCEPT, timeout=30).status_code == 401
+        r = httpx.request(
+            method, mcp_url, headers={**ACCEPT, "Authorization": f"Bearer {team_token}"}, timeout=30
+        )
+        assert r.status_code == 405 and r.headers["allow"] == "POST", r.text
     # A revoked token stops at its next request (each one is checked).
     from runtime.services.auth import token_revoke_row
 
