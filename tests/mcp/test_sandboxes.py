@@ -61,6 +61,15 @@ def test_a_sandbox_from_create_to_delete(sandboxes, team_token):
             assert all(sb["status"] in ("stopping", "deleted") for sb in left), left
 
     anyio.run(main)
+    # Recorded as the token's user, through the API's door, as the API records them.
+    from runtime.models import ApiToken, AuditEvent
+
+    token = ApiToken.objects.select_related("user").get()  # the team token, the only one
+    done = AuditEvent.objects.filter(action__in=("sandbox.create", "sandbox.pause", "sandbox.delete"))
+    assert {(e.action, e.actor, e.via, e.token) for e in done} == {
+        (action, token.user.username, "api", token.prefix)
+        for action in ("sandbox.create", "sandbox.pause", "sandbox.delete")
+    }
 
 
 @requires_runsc
