@@ -49,3 +49,12 @@ async def ok(session: ClientSession, name: str, **arguments: Any) -> dict[str, A
     assert not result.isError, text(result)
     assert result.structuredContent is not None
     return result.structuredContent
+
+
+def issue(**kwargs):
+    """Another token of the team's owner (``team_token``'s user), with ``kwargs``."""
+    from runtime.models import ApiToken
+    from runtime.services.auth import token_create
+
+    made = ApiToken.objects.select_related("user", "team").order_by("id").first()
+    return token_create(user=made.user, team=made.team, **kwargs)

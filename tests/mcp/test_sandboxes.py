@@ -8,11 +8,13 @@ import anyio
 
 from tests.support import requires_runsc
 
-from .conftest import call, connect, ok, text
+from .conftest import call, connect, issue, ok, text
 
 
 @requires_runsc
 def test_a_sandbox_from_create_to_delete(sandboxes, team_token):
+    read_only = issue(scopes=["sandboxes:read"]).raw
+
     async def main():
         async with connect(sandboxes, team_token) as s:
             made = await call(s, "create_sandbox", image="busybox", memory_mb=256, timeout_s=300)
@@ -47,6 +49,13 @@ def test_a_sandbox_from_create_to_delete(sandboxes, team_token):
             assert preview["port"] == 8080 and f"8080-{sid}" in preview["url"] and preview["public"] is False
             again = await ok(s, "get_preview_url", sandbox_id=sid, port=8080)
             assert again["url"].split("?")[0] == preview["url"].split("?")[0]
+            # A read-only token reads the URL a port has; giving a port one is a change.
+            async with connect(sandboxes, read_only) as ro:
+                assert (await ok(ro, "get_preview_url", sandbox_id=sid, port=8080))["port"] == 8080
+                refused = await call(ro, "get_preview_url", sandbox_id=sid, port=9090)
+                assert refused.isError and "sandboxes:write" in text(refused)
+                refused = await call(ro, "run_command", sandbox_id=sid, command="id")
+                assert refused.isError and "sandboxes:write" in text(refused)
 
             assert (await ok(s, "pause_sandbox", sandbox_id=sid))["status"] == "paused"
             not_running = await call(s, "run_command", sandbox_id=sid, command="true")
@@ -64,7 +73,7 @@ def test_a_sandbox_from_create_to_delete(sandboxes, team_token):
     # Recorded as the token's user, through the API's door, as the API records them.
     from runtime.models import ApiToken, AuditEvent
 
-    token = ApiToken.objects.select_related("user").get()  # the team token, the only one
+    token = ApiToken.objects.select_related("user").order_by("id").first()  # the team token
     done = AuditEvent.objects.filter(action__in=("sandbox.create", "sandbox.pause", "sandbox.delete"))
     assert {(e.action, e.actor, e.via, e.token) for e in done} == {
         (action, token.user.username, "api", token.prefix)

@@ -8,7 +8,7 @@ import anyio
 import httpx
 import pytest
 
-from .conftest import call, connect, ok, text
+from .conftest import call, connect, issue, ok, text
 
 TOOLS = {
     "create_sandbox": {"image"},
@@ -33,15 +33,6 @@ def _initialize(version: str) -> dict:
         "jsonrpc": "2.0", "id": 1, "method": "initialize",
         "params": {"protocolVersion": version, "capabilities": {}, "clientInfo": {"name": "raw", "version": "0"}},
     }  # fmt: skip
-
-
-def _issue(**kwargs):
-    """Another token of the team's owner (``team_token``'s user), with ``kwargs``."""
-    from runtime.models import ApiToken
-    from runtime.services.auth import token_create
-
-    made = ApiToken.objects.select_related("user", "team").order_by("id").first()
-    return token_create(user=made.user, team=made.team, **kwargs)
 
 
 def test_tools_are_listed_with_their_arguments_described(mcp_url, team_token):
@@ -81,7 +72,7 @@ def test_a_missing_or_wrong_token_is_a_401_before_any_mcp_message(mcp_url, team_
     # A revoked token stops at its next request (each one is checked).
     from runtime.services.auth import token_revoke_row
 
-    issued = _issue()
+    issued = issue()
     headers = {**ACCEPT, "Authorization": f"Bearer {issued.raw}"}
     assert httpx.post(mcp_url, json=body, headers=headers, timeout=30).status_code == 200
     token_revoke_row(issued.token)
@@ -106,8 +97,8 @@ def test_older_protocol_revisions_are_accepted(mcp_url, team_token, version):
 
 
 def test_refusals_and_mistakes_are_tool_errors(mcp_url, team_token):
-    read_only = _issue(scopes=["sandboxes:read"]).raw
-    viewer = _issue(role="viewer").raw
+    read_only = issue(scopes=["sandboxes:read"]).raw
+    viewer = issue(role="viewer").raw
 
     async def main():
         async with connect(mcp_url, read_only) as session:
