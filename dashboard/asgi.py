@@ -41,8 +41,14 @@ api_app = BodyLimit(ApiHandler())
 API_PATHS = ("/api/", "/e2b/", "/v1/")  # /v1/: OTLP's paths at the root (dashboard/otlp.py)
 
 
+from dashboard.mcp.server import app as mcp_app  # noqa: E402
+
+
 async def http_app(scope, receive, send):
-    app = api_app if scope["path"].startswith(API_PATHS) else django_app
+    path = scope["path"]
+    if path == "/mcp" or path.startswith("/mcp/"):  # MCP over streamable HTTP (dashboard.mcp)
+        return await mcp_app(scope, receive, send)
+    app = api_app if path.startswith(API_PATHS) else django_app
     return await app(scope, receive, send)
 
 

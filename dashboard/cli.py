@@ -461,6 +461,13 @@ def cmd_manage(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_mcp(args: argparse.Namespace) -> int:
+    # A client of a remote Hangar: no Django, no database, no settings (dashboard.mcp.stdio).
+    from dashboard.mcp.stdio import main as mcp_main
+
+    return mcp_main()
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="hangar", description="Hangar: a self-hosted runtime for AI agents.")
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -543,6 +550,11 @@ def build_parser() -> argparse.ArgumentParser:
     ip.add_argument("--insecure", action="store_true", help="plain HTTP / unverified TLS (local registries)")
     ip.set_defaults(fn=cmd_image)
 
+    mcp = sub.add_parser(
+        "mcp",
+        help="an MCP server on stdin/stdout for a Hangar at HANGAR_URL with HANGAR_TOKEN (docs/mcp.md)",
+    )
+    mcp.set_defaults(fn=cmd_mcp)
     manage = sub.add_parser("manage", help="run a Django management command")
     manage.add_argument("rest", nargs=argparse.REMAINDER)
     manage.set_defaults(fn=cmd_manage)

@@ -486,5 +486,10 @@ LOGGING = {
     "formatters": {"plain": {"format": "%(asctime)s %(levelname)s %(name)s: %(message)s"}},
     "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "plain"}},
     "root": {"handlers": ["console"], "level": env_str("HANGAR_LOG_LEVEL", "INFO")},
-    "loggers": {"django.channels.server": {"level": "WARNING"}, "daphne": {"level": "WARNING"}},
+    # The MCP SDK logs two INFO lines for every request to /mcp (dashboard.mcp).
+    "loggers": {
+        "django.channels.server": {"level": "WARNING"},
+        "daphne": {"level": "WARNING"},
+        "mcp": {"level": "WARNING"},
+    },
 }

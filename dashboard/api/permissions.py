@@ -159,6 +159,13 @@ def check(
     if rule is None:
         raise Forbidden(f"{key[0] if key else request.method} {key[1] if key else request.path} has no "
                         "permission rule; refusing")  # fmt: skip
+    check_rule(token, rule)
+
+
+def check_rule(token: Any, rule: Rule) -> None:
+    """Raise :class:`Forbidden` unless ``token`` meets ``rule`` (its scope, staff, least role):
+    what :func:`check` does once it has found the request's rule, and what the MCP tools do
+    with the rule of the API call each one stands for (``dashboard.mcp.tools``)."""
     if not token_allows(token, rule.scope):
         raise Forbidden(f"this token lacks the scope {rule.scope!r} (it has: {', '.join(token.scopes)})",
                         scope=rule.scope)  # fmt: skip
@@ -178,4 +185,4 @@ def sees_pseudo_fs(role: str) -> bool:
     return role_at_least(role, RULES[("POST", f"{SB}/exec")].role)
 
 
-__all__ = ["RULES", "ROLES", "Rule", "check", "route_key", "sees_pseudo_fs"]
+__all__ = ["RULES", "ROLES", "Rule", "check", "check_rule", "route_key", "sees_pseudo_fs"]
