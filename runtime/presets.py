@@ -61,9 +61,15 @@ PRESETS: dict[str, Preset] = {
             # Its telemetry (OpenTelemetry, to Hangar's OTLP endpoint that every harness is given):
             # traces and log events land in the run's trace. Prompts and tool details stay out
             # unless the harness's env opts in (OTEL_LOG_USER_PROMPTS=1, OTEL_LOG_TOOL_DETAILS=1).
-            env={"IS_SANDBOX": "1", "DISABLE_AUTOUPDATER": "1", "CLAUDE_CODE_ENABLE_TELEMETRY": "1",
-                 "CLAUDE_CODE_ENHANCED_TELEMETRY_BETA": "1", "OTEL_TRACES_EXPORTER": "otlp",
-                 "OTEL_LOGS_EXPORTER": "otlp", "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf"},  # fmt: skip
+            env={
+                "IS_SANDBOX": "1",
+                "DISABLE_AUTOUPDATER": "1",
+                "CLAUDE_CODE_ENABLE_TELEMETRY": "1",
+                "CLAUDE_CODE_ENHANCED_TELEMETRY_BETA": "1",
+                "OTEL_TRACES_EXPORTER": "otlp",
+                "OTEL_LOGS_EXPORTER": "otlp",
+                "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf",
+            },  # fmt: skip
             docs="https://docs.anthropic.com/en/docs/claude-code",
         ),
         Preset(

@@ -132,6 +132,6 @@ def test_a_large_trace_is_paged(client, crew, monkeypatch):
         {"id": secrets.token_hex(8), "parent": root, "name": f"step {i}", "at": i, "ms": 1} for i in range(120)
     ])  # fmt: skip
     first = client.get(f"/traces/{trace_id}/").content.decode()
-    assert first.count(' data-depth=') == 50 and 'id="trace-next"' in first and "step 48" in first
+    assert first.count(" data-depth=") == 50 and 'id="trace-next"' in first and "step 48" in first
     last = client.get(f"/traces/{trace_id}/", {"offset": 100}).content.decode()
-    assert last.count(' data-depth=') == 21 and "step 119" in last and 'id="trace-next"' not in last
+    assert last.count(" data-depth=") == 21 and "step 119" in last and 'id="trace-next"' not in last
