@@ -39,7 +39,7 @@ class TracesQuery(Schema):
     status: Literal["", "error", "ok"] = Field("", description="error: traces with a failed span")
     from_: str | None = Field(None, alias="from", description="started at or after (ISO 8601)")
     to: str | None = Field(None, description="started before (ISO 8601)")
-    min_duration_ms: float | None = Field(None, ge=0)
+    min_duration_ms: float | None = Field(None, ge=0, le=1e11)
     limit: int = Field(100, ge=1, le=trace_svc.MAX_LIST)
 
 
@@ -92,6 +92,12 @@ class TraceOut(Schema):
     next_offset: int | None = Field(None, description="more spans: ask again with this offset")
 
 
+class OtlpTraceOut(Schema):
+    """``format=otlp``: the trace as an OTLP/JSON ``ExportTraceServiceRequest``."""
+
+    resourceSpans: list[dict[str, Any]]  # noqa: N815 - OTLP/JSON's own name
+
+
 class TraceQuery(Schema):
     format: Literal["json", "otlp"] = Field(
         "json", description="otlp: the trace as an OTLP/JSON export request"
@@ -115,11 +121,7 @@ async def list_traces(request: AuthedRequest, q: Query[TracesQuery]):
     return await blocking(read)()
 
 
-@router.get(
-    "/{trace_id}",
-    response=TraceOut,
-    openapi_extra={"responses": {200: {"content": {"application/json": {"schema": {"type": "object"}}}}}},
-)
+@router.get("/{trace_id}", response=TraceOut | OtlpTraceOut)
 async def get_trace(request: AuthedRequest, trace_id: str, q: Query[TraceQuery]):
     """One trace: its spans by start time (at most 10,000 per answer) and its log records;
     `format=otlp` answers the whole trace as OTLP/JSON."""
