@@ -12,10 +12,9 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
-
-from django.core.exceptions import ImproperlyConfigured
 
 
 def _setup_django() -> Any:
@@ -469,9 +468,20 @@ def cmd_mcp(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The server's commands alone (``python -m dashboard.cli``); the ``hangar`` command of an
+    install has them too, plugged into the SDK's (:func:`register`)."""
     p = argparse.ArgumentParser(prog="hangar", description="Hangar: a self-hosted runtime for AI agents.")
-    sub = p.add_subparsers(dest="cmd", required=True)
+    add_commands(p.add_subparsers(dest="cmd", required=True))
+    return p
 
+
+def register(sub: argparse._SubParsersAction) -> Callable[[argparse.Namespace], int]:
+    """The ``hangar.cli`` entry point: the server's commands in the SDK's ``hangar`` command."""
+    add_commands(sub)
+    return run_command
+
+
+def add_commands(sub: argparse._SubParsersAction) -> None:
     up = sub.add_parser("up", help="run everything on this machine (server, worker, beat, embedded Redis)")
     up.add_argument("--port", type=int, default=int(os.environ.get("HANGAR_PORT", "8000")))
     up.add_argument("--host", default=os.environ.get("HANGAR_HOST", "127.0.0.1"))
@@ -558,11 +568,16 @@ def build_parser() -> argparse.ArgumentParser:
     manage = sub.add_parser("manage", help="run a Django management command")
     manage.add_argument("rest", nargs=argparse.REMAINDER)
     manage.set_defaults(fn=cmd_manage)
-    return p
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    return run_command(build_parser().parse_args(argv))
+
+
+def run_command(args: argparse.Namespace) -> int:
+    """Run a parsed server command: a configuration or service error is one line and status 2."""
+    from django.core.exceptions import ImproperlyConfigured
+
     from runtime.errors import ServiceError
 
     try:

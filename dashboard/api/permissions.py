@@ -38,6 +38,8 @@ def _write(resource: str, role: str = "member") -> Rule:
     return Rule(f"{resource}:write", role)
 
 
+# The scope of the few endpoints any valid token may call, whatever its scopes.
+ANY_SCOPE = ""
 SB = "/sandboxes/{sandbox_id}"
 RULES: dict[tuple[str, str], Rule] = {
     ("POST", "/sandboxes"): _write("sandboxes"),
@@ -81,6 +83,7 @@ RULES: dict[tuple[str, str], Rule] = {
     ("PATCH", "/pools/{pool_id}"): _write("pools"),
     ("DELETE", "/pools/{pool_id}"): _write("pools"),
     ("GET", "/tokens"): _read("tokens"),
+    ("GET", "/tokens/current"): Rule(ANY_SCOPE),  # any valid token may say whose it is
     ("POST", "/tokens"): _write("tokens", "viewer"),  # a token of one's own, at most one's role
     ("DELETE", "/tokens/{token_id}"): _write("tokens", "viewer"),  # one's own; admins: any
     ("GET", "/health"): Rule("system:read", public=True),
@@ -166,7 +169,7 @@ def check_rule(token: Any, rule: Rule) -> None:
     """Raise :class:`Forbidden` unless ``token`` meets ``rule`` (its scope, staff, least role):
     what :func:`check` does once it has found the request's rule, and what the MCP tools do
     with the rule of the API call each one stands for (``dashboard.mcp.tools``)."""
-    if not token_allows(token, rule.scope):
+    if rule.scope != ANY_SCOPE and not token_allows(token, rule.scope):
         raise Forbidden(f"this token lacks the scope {rule.scope!r} (it has: {', '.join(token.scopes)})",
                         scope=rule.scope)  # fmt: skip
     if rule.staff and not token.user.is_staff:
@@ -185,4 +188,4 @@ def sees_pseudo_fs(role: str) -> bool:
     return role_at_least(role, RULES[("POST", f"{SB}/exec")].role)
 
 
-__all__ = ["RULES", "ROLES", "Rule", "check", "check_rule", "route_key", "sees_pseudo_fs"]
+__all__ = ["ANY_SCOPE", "RULES", "ROLES", "Rule", "check", "check_rule", "route_key", "sees_pseudo_fs"]

@@ -650,11 +650,21 @@ async def get_stats(request: AuthedRequest, sandbox_id: str):
     return await blocking(lambda: io_svc.sandbox_stats(sandbox=_get(request, sandbox_id)))()
 
 
+class EventQuery(Schema):
+    after: int = Field(
+        0, ge=0, le=2**63 - 1, description="only events after this id (to follow: poll with the last id seen)"
+    )
+    limit: int = Field(1000, ge=1, le=1000)
+
+
 @router.get("/{sandbox_id}/events", response=list[EventOut])
-async def list_events(request: AuthedRequest, sandbox_id: str):
-    """What happened to the sandbox, oldest first."""
+async def list_events(request: AuthedRequest, sandbox_id: str, q: Query[EventQuery]):
+    """What happened to the sandbox, oldest first (the first `limit` after `after`)."""
 
     def events() -> list[SandboxEvent]:
-        return list(_get(request, sandbox_id).events.all()[:1000])
+        rows = _get(request, sandbox_id).events.all()
+        if q.after:
+            rows = rows.filter(id__gt=q.after)
+        return list(rows.order_by("id")[: q.limit])
 
     return await blocking(events)()

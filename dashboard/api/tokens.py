@@ -52,6 +52,25 @@ class TokenCreatedOut(TokenOut):
     token: str = Field(description="the token itself: shown this once, stored only hashed")
 
 
+class CurrentTokenOut(TokenOut):
+    team: str = Field(description="the team the token acts in")
+    team_id: int
+    effective_role: str = Field(description="the role it acts with now: the lower of its own and its user's")
+
+
+@router.get("/current", response=CurrentTokenOut)
+async def current_token(request: AuthedRequest):
+    """The token this request carries: whose it is, its team, the role it acts with and its
+    scopes. Any valid token may ask (`hangar login` checks a token with it)."""
+    t = request.auth
+    return {
+        "id": t.id, "name": t.name, "prefix": t.prefix, "user": t.user.get_username(), "role": t.role,
+        "scopes": t.scopes, "created_at": t.created_at, "last_used_at": t.last_used_at,
+        "expires_at": t.expires_at, "revoked_at": t.revoked_at, "team": t.team.name, "team_id": t.team_id,
+        "effective_role": t.effective_role,
+    }  # fmt: skip
+
+
 @router.get("", response=list[TokenOut])
 async def list_tokens(request: AuthedRequest):
     """Your tokens in this team, newest first (an admin sees every token of the team)."""

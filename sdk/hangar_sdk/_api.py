@@ -111,6 +111,14 @@ def sandbox_stats(sandbox_id: str) -> Call:
     return Call("GET", f"{_sb(sandbox_id)}/stats", idempotent=True)
 
 
+def sandbox_events(sandbox_id: str, *, after: int = 0, limit: int = 1000) -> Call:
+    return Call("GET", f"{_sb(sandbox_id)}/events", params={"after": after, "limit": limit}, idempotent=True)
+
+
+def process_list(sandbox_id: str) -> Call:
+    return Call("GET", f"{_sb(sandbox_id)}/processes", idempotent=True)
+
+
 def parse_sandbox(data: Any) -> SandboxInfo:
     return from_dict(SandboxInfo, data)
 
@@ -301,6 +309,19 @@ def harness_create(*, name: str, agent: str, repo: Mapping[str, Any] | str | Non
     return Call("POST", "/harnesses", json=body, read_timeout=WAITING_S)
 
 
+def harness_list() -> Call:
+    return Call("GET", "/harnesses", idempotent=True)
+
+
+def harness_runs(harness_id: str) -> Call:
+    return Call("GET", f"/harnesses/{quote(harness_id, safe='')}/runs", idempotent=True)
+
+
+def harness_logs(harness_id: str, *, after: int = 0, limit: int = 500) -> Call:
+    return Call("GET", f"/harnesses/{quote(harness_id, safe='')}/logs", params={"after": after, "limit": limit},
+                idempotent=True)  # fmt: skip
+
+
 def harness_get(harness_id: str) -> Call:
     return Call("GET", f"/harnesses/{quote(harness_id, safe='')}", idempotent=True)
 
@@ -330,12 +351,36 @@ def run_get(run_id: str) -> Call:
     return Call("GET", f"/runs/{quote(run_id, safe='')}", idempotent=True)
 
 
-def run_logs(run_id: str) -> Call:
-    return Call("GET", f"/runs/{quote(run_id, safe='')}/logs", idempotent=True, read_timeout=STREAM_READ_S)
+def run_logs(run_id: str, *, follow: bool = True) -> Call:
+    return Call("GET", f"/runs/{quote(run_id, safe='')}/logs", params={"follow": "true" if follow else "false"},
+                idempotent=True, read_timeout=STREAM_READ_S)  # fmt: skip
 
 
 def run_cancel(run_id: str) -> Call:
     return Call("POST", f"/runs/{quote(run_id, safe='')}/cancel", json={})
+
+
+# -- volumes and tokens -------------------------------------------------------------------------
+
+
+def volume_create(*, name: str, size_mb: int, node: str | None = None) -> Call:
+    return Call("POST", "/volumes", json=_clean({"name": name, "size_mb": size_mb, "node": node}))
+
+
+def volume_list() -> Call:
+    return Call("GET", "/volumes", idempotent=True)
+
+
+def volume_get(volume: str) -> Call:
+    return Call("GET", f"/volumes/{quote(volume, safe='')}", idempotent=True)
+
+
+def volume_delete(volume: str) -> Call:
+    return Call("DELETE", f"/volumes/{quote(volume, safe='')}", idempotent=True)
+
+
+def token_current() -> Call:
+    return Call("GET", "/tokens/current", idempotent=True)
 
 
 def parse_harness(data: Any) -> HarnessInfo:

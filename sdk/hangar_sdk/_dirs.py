@@ -4,13 +4,15 @@ walking a local tree, reading a file a piece at a time, and where a remote entry
 from __future__ import annotations
 
 import os
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path, PurePosixPath
 
 from ._errors import HangarError
 
 # Files travel this much at a time: a directory of any size is never held in memory.
 CHUNK = 256 * 1024
+# Told the bytes just moved, as they move (a progress bar adds them up).
+Progress = Callable[[int], None]
 
 
 def local_tree(src: str | os.PathLike[str]) -> tuple[list[tuple[str, Path]], list[str]]:
@@ -34,15 +36,17 @@ def local_tree(src: str | os.PathLike[str]) -> tuple[list[tuple[str, Path]], lis
     return files, empty
 
 
-def file_chunks(path: Path) -> Iterator[bytes]:
+def file_chunks(path: Path, progress: Progress | None = None) -> Iterator[bytes]:
     with open(path, "rb") as f:
         while chunk := f.read(CHUNK):
             yield chunk
+            if progress is not None:  # once the transport has taken it
+                progress(len(chunk))
 
 
-async def afile_chunks(path: Path) -> AsyncIterator[bytes]:
+async def afile_chunks(path: Path, progress: Progress | None = None) -> AsyncIterator[bytes]:
     # Local reads are short next to the network; they run on the loop, a piece at a time.
-    for chunk in file_chunks(path):
+    for chunk in file_chunks(path, progress):
         yield chunk
 
 

@@ -15,6 +15,7 @@ from typing import Any
 import httpx
 
 from ._api import Call
+from ._config import load_stored
 from ._errors import HangarError, NetworkError, error_for
 
 __version__ = "0.1.0"
@@ -38,15 +39,24 @@ class Config:
 
     @classmethod
     def resolve(cls, url: str | None = None, token: str | None = None) -> Config:
-        """From the arguments, else ``HANGAR_URL`` and ``HANGAR_TOKEN``, else (inside a harness)
-        ``HANGAR_API_URL`` and ``HANGAR_API_TOKEN``. A URL with or without ``/api/v1`` will do."""
+        """From the arguments, else ``HANGAR_URL`` and ``HANGAR_TOKEN``, else what ``hangar
+        login`` stored, else (inside a harness) ``HANGAR_API_URL`` and ``HANGAR_API_TOKEN``. A
+        URL with or without ``/api/v1`` will do."""
         env = os.environ
-        url = url or env.get("HANGAR_URL") or env.get("HANGAR_API_URL")
-        token = token or env.get("HANGAR_TOKEN") or env.get("HANGAR_API_TOKEN")
+        url = url or env.get("HANGAR_URL")
+        token = token or env.get("HANGAR_TOKEN")
+        if not (url and token):
+            stored = load_stored()
+            url = url or stored.get("url")
+            token = token or stored.get("token")
+        url = url or env.get("HANGAR_API_URL")
+        token = token or env.get("HANGAR_API_TOKEN")
         if not url:
-            raise HangarError("no server: pass url= or set HANGAR_URL (e.g. http://127.0.0.1:8000)")
+            raise HangarError(
+                "no server: pass url=, set HANGAR_URL (e.g. http://127.0.0.1:8000) or run `hangar login`"
+            )
         if not token:
-            raise HangarError("no token: pass token= or set HANGAR_TOKEN (hgr_…)")
+            raise HangarError("no token: pass token=, set HANGAR_TOKEN (hgr_…) or run `hangar login`")
         return cls(url=api_base(url), token=token)
 
 

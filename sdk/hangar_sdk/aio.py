@@ -11,7 +11,7 @@ from types import TracebackType
 from typing import Any, Generic, Literal, TypeVar, overload
 
 from . import _api as api
-from ._dirs import afile_chunks, local_target, local_tree
+from ._dirs import Progress, afile_chunks, local_target, local_tree
 from ._errors import CommandTimeout, HangarError, NotFoundError
 from ._models import ExecResult, FileEntry, ProcessInfo, SandboxInfo
 from ._transport import AsyncTransport, Config
@@ -254,33 +254,41 @@ class AsyncFiles:
     async def read_text(self, path: str, encoding: str = "utf-8") -> str:
         return (await self.read(path)).decode(encoding)
 
-    async def download(self, path: str, local: str | os.PathLike[str]) -> int:
+    async def download(
+        self, path: str, local: str | os.PathLike[str], *, progress: Progress | None = None
+    ) -> int:
         size = 0
         async with self._sb._t.stream(api.file_read(self._sb.id, path)) as response:
             with open(local, "wb") as f:
                 async for chunk in response.aiter_bytes():
                     size += f.write(chunk)
+                    if progress is not None:
+                        progress(len(chunk))
         return size
 
-    async def upload(self, local: str | os.PathLike[str], path: str) -> int:
+    async def upload(
+        self, local: str | os.PathLike[str], path: str, *, progress: Progress | None = None
+    ) -> int:
         src = Path(local)
-        call = api.file_write(self._sb.id, path, afile_chunks(src), size=src.stat().st_size)
+        call = api.file_write(self._sb.id, path, afile_chunks(src, progress), size=src.stat().st_size)
         return int((await self._sb._t.json(call))["size"])
 
     async def list(self, path: str) -> list[FileEntry]:
         return api.parse_entries(await self._sb._t.json(api.file_list(self._sb.id, path)))
 
-    async def upload_dir(self, local: str | os.PathLike[str], path: str) -> int:
+    async def upload_dir(self, local: str | os.PathLike[str], path: str, *,
+                         progress: Progress | None = None) -> int:  # fmt: skip
         files, empty = local_tree(local)
         for rel, src in files:
-            await self.upload(src, api.join(path, rel))
+            await self.upload(src, api.join(path, rel), progress=progress)
         if empty:
             made = await self._sb.exec(["mkdir", "-p", *(api.join(path, rel) for rel in empty)])
             if made.exit_code != 0:
                 raise HangarError(f"could not make directories under {path}: {made.stderr.strip()}")
         return len(files)
 
-    async def download_dir(self, path: str, local: str | os.PathLike[str]) -> int:
+    async def download_dir(self, path: str, local: str | os.PathLike[str], *,
+                           progress: Progress | None = None) -> int:  # fmt: skip
         count = 0
         pending = [""]
         while pending:
@@ -291,6 +299,6 @@ class AsyncFiles:
                 if entry.type == "dir":
                     pending.append(rel)
                 elif entry.type == "file":
-                    await self.download(api.join(path, rel), local_target(local, rel))
+                    await self.download(api.join(path, rel), local_target(local, rel), progress=progress)
                     count += 1
         return count

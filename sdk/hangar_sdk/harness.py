@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import builtins
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -83,9 +84,19 @@ class Harness:
         t = Transport(Config.resolve(url, token))
         return cls(api.parse_harness(t.opening(api.harness_get(harness_id))), t)
 
+    @classmethod
+    def list(cls, *, url: str | None = None, token: str | None = None) -> list[Harness]:
+        """The team's harnesses, by name."""
+        t = Transport(Config.resolve(url, token))
+        return [cls(api.parse_harness(row), t) for row in t.opening(api.harness_list())]
+
     def refresh(self) -> Harness:
         self.info = api.parse_harness(self._t.json(api.harness_get(self.id)))
         return self
+
+    def runs(self) -> builtins.list[Run]:
+        """Its runs, newest first (the last 100)."""
+        return [Run(api.parse_run(row), self._t) for row in self._t.json(api.harness_runs(self.id))]
 
     def wait_ready(self, timeout: float = 300.0) -> Harness:
         deadline = time.monotonic() + timeout
@@ -140,6 +151,11 @@ class Run:
     def diff(self) -> str:
         """What the run changed in ``/workspace``, as a git diff (once it has ended)."""
         return self.info.diff
+
+    @classmethod
+    def get(cls, run_id: str, *, url: str | None = None, token: str | None = None) -> Run:
+        t = Transport(Config.resolve(url, token))
+        return cls(api.parse_run(t.opening(api.run_get(run_id))), t)
 
     def refresh(self) -> Run:
         self.info = api.parse_run(self._t.json(api.run_get(self.id)))
@@ -204,6 +220,16 @@ class AsyncHarness:
         t = AsyncTransport(Config.resolve(url, token))
         return cls(api.parse_harness(await t.opening(api.harness_get(harness_id))), t)
 
+    @classmethod
+    async def list(cls, *, url: str | None = None, token: str | None = None) -> list[AsyncHarness]:
+        t = AsyncTransport(Config.resolve(url, token))
+        return [cls(api.parse_harness(row), t) for row in await t.opening(api.harness_list())]
+
+    async def runs(self) -> builtins.list[AsyncRun]:
+        return [
+            AsyncRun(api.parse_run(row), self._t) for row in await self._t.json(api.harness_runs(self.id))
+        ]
+
     async def refresh(self) -> AsyncHarness:
         self.info = api.parse_harness(await self._t.json(api.harness_get(self.id)))
         return self
@@ -258,6 +284,11 @@ class AsyncRun:
     @property
     def diff(self) -> str:
         return self.info.diff
+
+    @classmethod
+    async def get(cls, run_id: str, *, url: str | None = None, token: str | None = None) -> AsyncRun:
+        t = AsyncTransport(Config.resolve(url, token))
+        return cls(api.parse_run(await t.opening(api.run_get(run_id))), t)
 
     async def refresh(self) -> AsyncRun:
         self.info = api.parse_run(await self._t.json(api.run_get(self.id)))

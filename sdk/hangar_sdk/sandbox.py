@@ -12,7 +12,7 @@ from types import TracebackType
 from typing import IO, Any, Literal, overload
 
 from . import _api as api
-from ._dirs import file_chunks, local_target, local_tree
+from ._dirs import Progress, file_chunks, local_target, local_tree
 from ._errors import CommandTimeout, HangarError, NotFoundError
 from ._models import ExecResult, FileEntry, ProcessInfo, SandboxInfo
 from ._transport import Config, Transport
@@ -261,37 +261,45 @@ class Files:
     def read_text(self, path: str, encoding: str = "utf-8") -> str:
         return self.read(path).decode(encoding)
 
-    def download(self, path: str, local: str | os.PathLike[str]) -> int:
-        """Copy the file at ``path`` to the local file ``local``, streamed. Returns its size."""
+    def download(self, path: str, local: str | os.PathLike[str], *, progress: Progress | None = None) -> int:
+        """Copy the file at ``path`` to the local file ``local``, streamed (``progress`` is told
+        the bytes of each piece as it lands). Returns its size."""
         size = 0
         with self._sb._t.stream(api.file_read(self._sb.id, path)) as response, open(local, "wb") as f:
             for chunk in response.iter_bytes():
                 size += f.write(chunk)
+                if progress is not None:
+                    progress(len(chunk))
         return size
 
-    def upload(self, local: str | os.PathLike[str], path: str) -> int:
-        """Copy the local file ``local`` to ``path``, streamed. Returns its size."""
+    def upload(self, local: str | os.PathLike[str], path: str, *, progress: Progress | None = None) -> int:
+        """Copy the local file ``local`` to ``path``, streamed (``progress`` is told the bytes
+        of each piece as it goes). Returns its size."""
         src = Path(local)
-        call = api.file_write(self._sb.id, path, file_chunks(src), size=src.stat().st_size)
+        call = api.file_write(self._sb.id, path, file_chunks(src, progress), size=src.stat().st_size)
         return int(self._sb._t.json(call)["size"])
 
     def list(self, path: str) -> list[FileEntry]:
         """The entries of the directory at ``path`` (symlinks listed, not followed)."""
         return api.parse_entries(self._sb._t.json(api.file_list(self._sb.id, path)))
 
-    def upload_dir(self, local: str | os.PathLike[str], path: str) -> int:
+    def upload_dir(
+        self, local: str | os.PathLike[str], path: str, *, progress: Progress | None = None
+    ) -> int:
         """Copy the local directory ``local`` to ``path``, keeping relative paths (and empty
         directories); one file at a time, streamed. Returns the number of files."""
         files, empty = local_tree(local)
         for rel, src in files:
-            self.upload(src, api.join(path, rel))
+            self.upload(src, api.join(path, rel), progress=progress)
         if empty:
             made = self._sb.exec(["mkdir", "-p", *(api.join(path, rel) for rel in empty)])
             if made.exit_code != 0:
                 raise HangarError(f"could not make directories under {path}: {made.stderr.strip()}")
         return len(files)
 
-    def download_dir(self, path: str, local: str | os.PathLike[str]) -> int:
+    def download_dir(
+        self, path: str, local: str | os.PathLike[str], *, progress: Progress | None = None
+    ) -> int:
         """Copy the directory at ``path`` to the local directory ``local``, keeping relative
         paths; one file at a time, streamed. Symlinks and special files are skipped. Returns the
         number of files."""
@@ -305,6 +313,6 @@ class Files:
                 if entry.type == "dir":
                     pending.append(rel)
                 elif entry.type == "file":
-                    self.download(api.join(path, rel), local_target(local, rel))
+                    self.download(api.join(path, rel), local_target(local, rel), progress=progress)
                     count += 1
         return count
