@@ -46,6 +46,9 @@ def test_a_harness_from_create_to_rm(cli):
         assert detached.returncode == 0 and detached.stdout.strip().startswith("run")
         cli("run", "cancel", detached.stdout.strip())  # ended already or now: either way not a crash
         assert cli("harness", "logs", "cli-h").returncode == 0
+        # A shell in its /workspace (here with a pipe, not a terminal: it works as one).
+        shell = cli("harness", "shell", "cli-h", "--", "sh", "-c", "pwd; exit 6", input="")
+        assert shell.returncode == 6 and "/workspace" in shell.stdout
     finally:
         gone = cli("harness", "rm", "cli-h", "--delete-volume")
     assert gone.returncode == 0, gone.stderr
