@@ -1,0 +1,70 @@
+"""The reliability suites (docs/reliability.md): each test says what it tried and what held
+through the ``report`` fixture; at the end of the session the whole is written as one JSON and
+a Markdown summary in ``HANGAR_RELIABILITY_DIR`` (default ``/tmp/hangar-reliability``), which
+``bench/reliability.py`` prints. A test that fails records nothing: its failure is the report."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+RESULTS: list[dict[str, Any]] = []
+
+
+def report_dir() -> Path:
+    return Path(os.environ.get("HANGAR_RELIABILITY_DIR", "/tmp/hangar-reliability"))
+
+
+class Report:
+    """What one test tried: ``held(kind, what, **figures)`` for each attack or fault that held."""
+
+    def __init__(self, suite: str, test: str) -> None:
+        self.suite, self.test = suite, test
+        self.runtime = ""  # set by a test that runs against one runtime
+        self.entries: list[dict[str, Any]] = []
+
+    def held(self, kind: str, what: str, **figures: Any) -> None:
+        where = {"runtime": self.runtime} if self.runtime else {}
+        self.entries.append(
+            {"suite": self.suite, "test": self.test, **where, "kind": kind, "what": what, **figures}
+        )
+
+
+@pytest.fixture
+def report(request) -> Iterator[Report]:
+    suite = Path(str(request.node.fspath)).stem.removeprefix("test_")
+    r = Report(suite, request.node.name)
+    started = time.monotonic()
+    yield r
+    if request.node.rep_call.passed if hasattr(request.node, "rep_call") else False:
+        for entry in r.entries:
+            RESULTS.append({**entry, "test_s": round(time.monotonic() - started, 2)})
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    rep = outcome.get_result()
+    if rep.when == "call":
+        item.rep_call = rep
+
+
+def pytest_sessionfinish(session, exitstatus) -> None:
+    if not RESULTS:
+        return
+    out = report_dir()
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "report.json").write_text(json.dumps({"results": RESULTS}, indent=2, default=str))
+    lines = ["| suite | kind | what held | figures |", "| --- | --- | --- | --- |"]
+    for e in RESULTS:
+        figures = ", ".join(
+            f"{k}={v}" for k, v in e.items() if k not in ("suite", "test", "kind", "what", "test_s")
+        )
+        lines.append(f"| {e['suite']} | {e['kind']} | {e['what']} | {figures} |")
+    (out / "report.md").write_text("\n".join(lines) + "\n")

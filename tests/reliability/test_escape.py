@@ -1,0 +1,270 @@
+"""Escape and containment, from inside a sandbox, on every runtime this node has: the host's
+files (by /proc, symlinks, hard links, bind mounts), its processes, its devices, its sockets;
+mounting; raw sockets; and bombs (fork, memory, disk, output) that must stay inside their
+sandbox's limits while a neighbour keeps answering (its exec latency measured during each).
+
+Launcher level, real runtimes (runsc here), never fakes. The network attacks that need a
+network (the host's services, other sandboxes, the metadata range) are in
+tests/launchers/gvisor/test_network.py; this suite adds what it does not try."""
+
+from __future__ import annotations
+
+import statistics
+import subprocess
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from runtime.host.images.store import ImageStore
+from runtime.launchers.base import ExecRequest, Launcher, LauncherError, SandboxNotRunning, SandboxSpec
+from tests.launchers.helpers import make_launcher, remove_all, usable_launchers
+from tests.support import requires_runsc
+
+pytestmark = [requires_runsc, pytest.mark.timeout(300)]
+
+
+@pytest.fixture(scope="module", params=usable_launchers())
+def launcher(request, tmp_path_factory, agent_cache_dir) -> Iterator[Launcher]:
+    launcher = make_launcher(
+        request.param, tmp_path_factory.mktemp(f"escape-{request.param}"), agent_cache_dir
+    )
+    yield launcher
+    remove_all(launcher)
+
+
+@pytest.fixture(scope="module")
+def busybox(image_store: ImageStore):
+    return image_store.build_busybox()
+
+
+@pytest.fixture
+def make(launcher: Launcher, busybox, report) -> Iterator[Callable[..., dict]]:
+    made: list[dict] = []
+    report.runtime = launcher.name
+
+    def start(**kw) -> dict:
+        spec = SandboxSpec(id="e" + uuid.uuid4().hex[:12], rootfs=busybox.rootfs, cpu=kw.pop("cpu", 1.0),
+                           memory_mb=kw.pop("memory_mb", 256), disk_mb=kw.pop("disk_mb", None))  # fmt: skip
+        handle = launcher.create(spec)
+        made.append(handle)
+        return handle
+
+    yield start
+    for handle in made:
+        launcher.destroy(handle)
+
+
+def sh(launcher: Launcher, handle: dict, script: str, timeout: float = 60) -> tuple[int, str]:
+    r = launcher.exec(handle, ExecRequest(argv=["/bin/sh", "-c", script], timeout=timeout))
+    return r.exit_code, (bytes(r.stdout) + bytes(r.stderr)).decode(errors="replace")
+
+
+@pytest.fixture
+def host_secret(tmp_path) -> tuple[Path, str]:
+    """A file on the host whose content must never be read from inside."""
+    secret = f"host-secret-{uuid.uuid4().hex}"
+    path = tmp_path / "secret.txt"
+    path.write_text(secret)
+    return path, secret
+
+
+def test_host_files_are_out_of_reach_by_every_path(launcher, make, host_secret, report):
+    path, secret = host_secret
+    sb = make()
+    attempts = {
+        "direct": f"cat {path}",
+        "/proc/1/root": f"cat /proc/1/root{path}",
+        "/proc/self/root": f"cat /proc/self/root{path}",
+        "dot-dot": f"cd / && cat ../../../..{path}",
+        "symlink": f"ln -s {path} /tmp/l && cat /tmp/l",
+        "hard link": f"ln {path} /tmp/h && cat /tmp/h",
+        "/proc/*/cwd and root of every process": "for p in /proc/[0-9]*; do cat $p/root/etc/hostname $p/cwd/* 2>/dev/null; done",
+        "a search of the whole filesystem": f"grep -rs {secret} / --exclude-dir=proc --exclude-dir=sys 2>/dev/null; find / -name secret.txt 2>/dev/null",
+        "/proc/*/environ and cmdline": "cat /proc/*/environ /proc/*/cmdline 2>/dev/null",
+    }  # fmt: skip
+    for name, script in attempts.items():
+        _, out = sh(launcher, sb, script)
+        assert secret not in out, f"{name}: the host's file was read: {out[:300]}"
+        report.held("host files", name)
+
+
+def test_bind_mounts_and_mounting_reach_only_the_sandboxs_own(launcher, make, host_secret, report):
+    path, secret = host_secret
+    sb = make()
+    for name, script in {
+        "bind mount of /": f"mkdir -p /mnt/b && mount --bind / /mnt/b; cat /mnt/b{path}; ls /mnt/b",
+        "a new proc": "mkdir -p /mnt/p && mount -t proc proc /mnt/p; cat /mnt/p/1/root/etc/hostname",
+        "a new sysfs": "mkdir -p /mnt/s && mount -t sysfs sysfs /mnt/s; ls /mnt/s/block",
+        "the host's block device": "mkdir -p /mnt/d && mount /dev/sda1 /mnt/d || mount /dev/vda1 /mnt/d; ls /mnt/d",
+        "tmpfs over /": "mount -t tmpfs t /tmp && echo ok",
+    }.items():  # fmt: skip
+        _, out = sh(launcher, sb, script)
+        assert secret not in out, f"{name}: {out[:300]}"
+        report.held("mounting", name)
+    # Whatever was mounted inside, the host's mount table has nothing new from the sandbox.
+    mounts = Path("/proc/self/mountinfo").read_text()
+    assert "/mnt/b" not in mounts and "/mnt/p" not in mounts
+
+
+def test_device_nodes_open_nothing_of_the_host(launcher, make, report):
+    sb = make()
+    code, out = sh(launcher, sb, "ls /dev")
+    assert code == 0
+    allowed = {"null", "zero", "full", "random", "urandom", "tty", "ptmx", "pts", "shm", "fd", "stdin", "stdout",
+               "stderr", "console", "net", "mqueue", "core",
+               "fuse"}  # gVisor's own FUSE device, served by its kernel, not the host's  # fmt: skip
+    assert set(out.split()) <= allowed, f"unexpected devices: {set(out.split()) - allowed}"
+    report.held("devices", "/dev holds only the harmless nodes", nodes=len(out.split()))
+    for name, node in (
+        ("a disk", "b 8 0"),
+        ("memory", "c 1 1"),
+        ("the host's kmsg", "c 1 11"),
+        ("a tty", "c 4 1"),
+    ):
+        code, out = sh(
+            launcher, sb, f"rm -f /tmp/n; mknod /tmp/n {node} && head -c 64 /tmp/n | od -c | head -2"
+        )
+        # Either the node cannot be made or it reads nothing of the host's.
+        made = sh(launcher, sb, "test -e /tmp/n && echo made")[1].strip() == "made"
+        if made:
+            code_read, read = sh(launcher, sb, "head -c 64 /tmp/n > /tmp/out; echo $?; wc -c < /tmp/out")
+            lines = read.split()
+            assert lines[0] != "0" or lines[-1] == "0", f"mknod {node} ({name}) read the host's bytes: {read}"
+        report.held("devices", f"mknod of {name} ({node})", made=made)
+
+
+def test_host_processes_are_invisible_and_unkillable(launcher, make, report):
+    marker = f"hangar-escape-{uuid.uuid4().hex[:8]}"
+    host = subprocess.Popen(["bash", "-c", f"exec -a {marker} sleep 600"])
+    try:
+        sb = make()
+        _, out = sh(launcher, sb, "cat /proc/*/cmdline | tr '\\0' ' '; ls /proc | grep -c '^[0-9]'")
+        assert marker not in out and "runsc" not in out and "hangar" not in out.replace("/.hangar/", "")
+        count = int(out.split()[-1])
+        assert count < 20, f"{count} processes visible inside: the host's?"
+        report.held("processes", "the host's processes and the runtime are not visible", visible=count)
+        try:  # every process it can signal, its init (the agent) included: the sandbox ends
+            sh(launcher, sb, "kill -9 -1; kill -9 1", timeout=10)
+        except (LauncherError, SandboxNotRunning):
+            pass
+        assert host.poll() is None, "a sandbox killed a host process"
+        report.held("processes", "kill -9 -1 reaches only the sandbox's own processes")
+    finally:
+        host.kill()
+        host.wait()
+
+
+def test_the_nodes_sockets_are_not_in_the_sandbox(launcher, make, report):
+    sb = make()
+    _, out = sh(launcher, sb, "find / -type s 2>/dev/null; ls -la /.hangar/run")
+    sockets = [line for line in out.splitlines() if line.startswith("/") and not line.startswith("/.hangar/")]
+    assert not sockets, f"sockets from outside visible inside: {sockets}"
+    for host_socket in ("redis", "bridge", "tunnel", "postgres", ".s.PGSQL"):
+        assert host_socket not in out, out
+    report.held("sockets", "no socket of the node (bridge, tunnels, Redis, Postgres) inside")
+
+
+# -- bombs ---------------------------------------------------------------------------------------
+
+
+def _latencies(launcher: Launcher, handle: dict, n: int = 8) -> list[float]:
+    out = []
+    for _ in range(n):
+        started = time.monotonic()
+        r = launcher.exec(handle, ExecRequest(argv=["true"], timeout=30))
+        assert r.exit_code == 0, r
+        out.append((time.monotonic() - started) * 1000)
+    return out
+
+
+def _during(launcher: Launcher, neighbour: dict, attack: Callable[[], object],
+            seconds: float) -> tuple[list[float], object]:  # fmt: skip
+    """The neighbour's exec latencies (ms) while ``attack`` runs in a thread for a while, and
+    what the attack came to (its exec's result, or the error that ended its sandbox)."""
+    done: list[object] = []
+    t = threading.Thread(target=lambda: done.append(_quiet(attack)), daemon=True)
+    t.start()
+    time.sleep(1.0)  # let it take hold
+    deadline = time.monotonic() + seconds
+    samples: list[float] = []
+    while time.monotonic() < deadline:
+        samples += _latencies(launcher, neighbour, 2)
+    t.join(timeout=120)
+    return samples, done[0] if done else None
+
+
+def _quiet(fn: Callable[[], object]) -> object:
+    try:
+        return fn()
+    except (LauncherError, SandboxNotRunning) as exc:  # the attacker's sandbox may be killed
+        return exc
+
+
+BOMBS = {
+    "fork bomb": ("b() { b | b & }; b; sleep 30", {}),
+    "memory bomb": ("x=a; while true; do x=$x$x$x$x; done", {"memory_mb": 128}),
+    "CPU on every core": (
+        "for i in 1 2 3 4 5 6 7 8; do (while :; do :; done) & done; sleep 30",
+        {"cpu": 0.5},
+    ),
+    "disk filler": ("dd if=/dev/zero of=/fill bs=1M count=10000; sync; sleep 5", {"disk_mb": 64}),
+    "output flood": ("timeout 20 yes flood", {}),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("bomb", sorted(BOMBS))
+def test_a_bomb_stays_inside_and_the_neighbour_keeps_answering(launcher, make, bomb, report):
+    script, spec = BOMBS[bomb]
+    neighbour = make()
+    attacker = make(**spec)
+    before = statistics.median(_latencies(launcher, neighbour))
+    free_before = _free_mb("/")
+    started = time.monotonic()
+    cpu_before = launcher.stats(attacker).cpu_seconds
+    during, outcome = _during(
+        launcher, neighbour,
+        lambda: launcher.exec(attacker, ExecRequest(argv=["/bin/sh", "-c", script], timeout=25,
+                                                    max_output=8 * 1024 * 1024)),
+        seconds=8,
+    )  # fmt: skip
+    p50, worst = statistics.median(during), max(during)
+    # The neighbour answered every time, and not much slower than a loaded two-core machine allows.
+    assert p50 < max(20 * before, 1000), (bomb, before, during)
+    assert worst < 10_000, (bomb, during)
+    assert abs(_free_mb("/") - free_before) < 200, "the host's disk changed by the sandbox's writes"
+    stats = None
+    try:
+        stats = launcher.stats(attacker)
+    except (LauncherError, SandboxNotRunning):
+        pass  # killed by its own limit: contained
+    if stats is not None and spec.get("memory_mb"):
+        assert stats.memory_bytes <= spec["memory_mb"] * 1024 * 1024 * 1.1
+    # The attack really ran, and hit its limit.
+    if bomb in ("fork bomb", "memory bomb"):
+        assert stats is None or isinstance(outcome, Exception) or getattr(outcome, "exit_code", 0) != 0, (
+            outcome
+        )
+    elif bomb == "disk filler":
+        assert b"No space left" in bytes(getattr(outcome, "stderr", b"")), outcome
+    elif bomb == "output flood":
+        assert (
+            getattr(outcome, "truncated", False) and len(getattr(outcome, "stdout", b"")) <= 8 * 1024 * 1024
+        )
+    elif bomb == "CPU on every core":
+        assert stats is not None
+        used_s = stats.cpu_seconds - cpu_before
+        # Held to its half a core: about 0.5 s of CPU a second, not the 2 s both cores could give.
+        assert 2 < used_s < 0.8 * (time.monotonic() - started), f"{used_s:.1f} s of CPU at cpu=0.5"
+    report.held("bomb", bomb, neighbour_exec_ms_before=round(before, 1), neighbour_exec_ms_p50_during=round(p50, 1),
+                neighbour_exec_ms_max_during=round(worst, 1), attacker_alive=stats is not None)  # fmt: skip
+
+
+def _free_mb(path: str) -> float:
+    import shutil
+
+    return shutil.disk_usage(path).free / 1e6
