@@ -31,6 +31,7 @@ import asyncio
 import io
 import json
 import logging
+import types
 from functools import partial
 from typing import Any, BinaryIO
 from urllib.parse import urlsplit
@@ -209,10 +210,45 @@ def _body_limit() -> int:
     return int(settings.HANGAR_FILE_MAX_BYTES) + 1024 * 1024
 
 
+def _refuse_and_close(channel: Any, status: str, message: str) -> None:
+    """Answer a request twisted will not parse with a status and a JSON message, then close
+    (twisted's own answer is a bare 400, or for an overlong line no answer at all)."""
+    body = json.dumps({"detail": message}).encode()
+    channel.transport.write(
+        f"HTTP/1.1 {status}\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\n"
+        "Connection: close\r\n\r\n".encode()
+        + body
+    )
+    channel.transport.loseConnection()
+
+
+def _line_too_long(channel: Any, line: bytes) -> None:
+    limit = channel.MAX_LENGTH
+    if getattr(channel, "_HTTPChannel__first_line", False):
+        _refuse_and_close(channel, "414 URI Too Long", f"the request line is over {limit} bytes: shorten the URL "
+                          "(send long values in a JSON body)")  # fmt: skip
+    else:
+        _refuse_and_close(
+            channel, "431 Request Header Fields Too Large", f"a header line is over {limit} bytes"
+        )
+
+
+def _bad_request(channel: Any) -> None:
+    if (getattr(channel, "_receivedHeaderSize", 0) > channel.totalHeadersSize
+            or getattr(channel, "_receivedHeaderCount", 0) > channel.maxHeaders):  # fmt: skip
+        _refuse_and_close(channel, "431 Request Header Fields Too Large",
+                          f"the headers are over {channel.totalHeadersSize} bytes or {channel.maxHeaders} fields")  # fmt: skip
+    else:
+        _refuse_and_close(channel, "400 Bad Request", "a malformed HTTP request")
+
+
 class HangarHTTPFactory(HTTPFactory):
     def buildProtocol(self, addr: Any) -> Any:
         protocol = super().buildProtocol(addr)
         protocol.requestFactory = HangarRequest
+        channel = getattr(protocol, "_channel", protocol)  # twisted wraps it to negotiate HTTP/2
+        channel.lineLengthExceeded = types.MethodType(_line_too_long, channel)
+        channel._respondToBadRequestAndDisconnect = types.MethodType(_bad_request, channel)
         return protocol
 
 
