@@ -52,6 +52,7 @@ def _filters(request: HttpRequest) -> dict[str, Any]:
         "service": g.get("service", "")[:255], "status": g.get("status", "") if g.get("status") in ("error", "ok") else "",
         "since": since, "until": until,
         "min_duration_ms": float(min_ms) if min_ms.replace(".", "", 1).isdigit() else None,
+        "attrs": [a for a in g.getlist("attr") if a.strip()],
     }  # fmt: skip
 
 
@@ -66,8 +67,9 @@ def traces(request: HttpRequest) -> HttpResponse:
             rows = trace_svc.traces_list(team=tc.team, limit=200, **_filters(request))
         except ServiceError as exc:
             error = exc.message
+    attrs = [a for a in request.GET.getlist("attr") if a.strip()] or [""]
     return render_page(request, "hangar/traces.html", {"section": "traces", "traces": rows, "error": error,
-                                                       "f": request.GET}, tc)  # fmt: skip
+                                                       "f": request.GET, "attrs": attrs}, tc)  # fmt: skip
 
 
 def _waterfall(spans: list[TraceSpan], start_ns: int, end_ns: int) -> list[dict[str, Any]]:
