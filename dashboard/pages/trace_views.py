@@ -72,7 +72,7 @@ def traces(request: HttpRequest) -> HttpResponse:
                                                        "f": request.GET, "attrs": attrs}, tc)  # fmt: skip
 
 
-def _waterfall(spans: list[TraceSpan], start_ns: int, end_ns: int) -> list[dict[str, Any]]:
+def waterfall_rows(spans: list[TraceSpan], start_ns: int, end_ns: int) -> list[dict[str, Any]]:
     """Spans in tree order (children under their parent, by start), with depth and the bar's place."""
     total = max(end_ns - start_ns, 1)
     ids = {s.span_id for s in spans}
@@ -119,10 +119,12 @@ def trace_detail(request: HttpRequest, trace_id: str) -> HttpResponse:
         for r in logs_qs[:500]
     ]  # fmt: skip
     context = {
-        "section": "traces", "trace": trace, "rows": _waterfall(page, trace.start_ns, trace.end_ns),
+        "section": "traces", "trace": trace, "rows": waterfall_rows(page, trace.start_ns, trace.end_ns),
         "duration_ms": total / 1e6, "started_at": trace_svc.iso(trace.start_ns), "logs": logs,
         "offset": offset, "next_offset": offset + PAGE_SPANS if more else None,
         "prev_offset": max(0, offset - PAGE_SPANS) if offset else None, "page_size": PAGE_SPANS,
+        # The last page grows as spans arrive (dashboard.websockets.trace_live), from the newest row it shows.
+        "live": not more, "after": max((s.id for s in page), default=0),
     }  # fmt: skip
     return render_page(request, "hangar/trace_detail.html", context, tc)
 

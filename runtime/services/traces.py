@@ -24,7 +24,7 @@ from django.utils import timezone
 from ..errors import InvalidValue, NotFound
 from ..models import Team, Trace, TraceLog, TraceSpan, TraceValue
 from . import secrets as secret_svc
-from . import trace_search
+from . import trace_live, trace_search
 from .otlp import Decoded
 
 MAX_LIST = 1000
@@ -95,6 +95,7 @@ def spans_store(*, team: Team, decoded: Decoded) -> int:
             for key, v in later:
                 span.attributes[f"hangar.truncated.{key}"] = v.id
         TraceSpan.objects.bulk_create(spans, batch_size=500)
+        trace_live.spans_stored(team_id=team.id, spans=spans)  # live pages, once this commits
         Trace.objects.bulk_create(
             [Trace(team=team, trace_id=t, start_ns=s["start"], end_ns=s["end"], service=s["service"])
              for t, s in summary.items()],
