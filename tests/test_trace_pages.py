@@ -133,8 +133,10 @@ def test_a_large_trace_is_paged(client, crew, monkeypatch):
     ])  # fmt: skip
     first = client.get(f"/traces/{trace_id}/").content.decode()
     assert first.count(" data-depth=") == 50 and 'id="trace-next"' in first and "step 48" in first
+    assert "data-live=" not in first  # new spans grow the last page only
     last = client.get(f"/traces/{trace_id}/", {"offset": 100}).content.decode()
     assert last.count(" data-depth=") == 21 and "step 119" in last and 'id="trace-next"' not in last
+    assert f'data-live="/ws/ui/traces/{trace_id}"' in last
 
 
 def test_the_traces_page_searches_by_attribute_and_explains_a_bad_term(client, crew):
