@@ -1,7 +1,8 @@
 """Live page updates: one Redis subscription per server process, fanned out in memory.
 
 Status changes and new events are published on plain Redis pub/sub channels by
-:mod:`runtime.notify` (``hangar:team:<id>``, ``hangar:sandbox:<id>``): one PUBLISH costs the
+:mod:`runtime.notify` (``hangar:team:<id>``, ``hangar:sandbox:<id>``), new spans by
+:mod:`runtime.services.trace_live` (``hangar:trace:<team>:<trace id>``): one PUBLISH costs the
 worker a fraction of a millisecond, where a Channels ``group_send`` from sync code would need a
 fresh event loop and Redis connection per transition, on the path of every sandbox create. The
 page consumers here subscribe through :class:`Hub`, which holds a single pattern subscription
@@ -62,7 +63,11 @@ class Hub:
             try:
                 pubsub = client.pubsub(ignore_subscribe_messages=True)
                 await pubsub.psubscribe(
-                    "hangar:team:*", "hangar:sandbox:*", "hangar:images", "hangar:image-job:*"
+                    "hangar:team:*",
+                    "hangar:sandbox:*",
+                    "hangar:images",
+                    "hangar:image-job:*",
+                    "hangar:trace:*",
                 )
                 ready.set()
                 async for message in pubsub.listen():

@@ -30,6 +30,7 @@ class Preset:
     headless: tuple[str, ...] = ()  # argv after the binary; "{prompt}" is the prompt
     credentials: tuple[str, ...] = ()  # env vars that can carry its API key (any one suffices)
     env: dict[str, str] = field(default_factory=dict)
+    setup: str = ""  # shell run by each workspace setup once the CLI is there (idempotent)
     docs: str = ""
 
     def run_argv(self, prompt: str, command: list[str] | None = None) -> list[str]:
@@ -45,6 +46,34 @@ class Preset:
             return list(command or [])
         return [self.binary]
 
+
+# Codex's telemetry: an [otel] section in its config.toml (CODEX_HOME is on the workspace volume)
+# exporting its log events (API requests, tool results) and its spans over OTLP/HTTP to Hangar,
+# rewritten by each setup between its markers; a section of the user's own is left alone.
+# The token is not in it: every file of a sandbox can be read by the team's viewers (the files
+# API), so it stays in the process environment, where Codex's OTLP exporter (opentelemetry-otlp)
+# takes OTEL_EXPORTER_OTLP_HEADERS from and adds it to each request. Prompts are left out
+# unless the harness's env opts in (OTEL_LOG_USER_PROMPTS=1, as for Claude Code).
+CODEX_OTEL = """\
+codex_home="${CODEX_HOME:-$HOME/.codex}"; f="$codex_home/config.toml"; e="${OTEL_EXPORTER_OTLP_ENDPOINT:-}"
+mkdir -p "$codex_home" && touch "$f"
+sed -i '/^# >>> hangar otel/,/^# <<< hangar otel/d' "$f"
+if [ -z "$e" ]; then
+  echo "Codex telemetry: off (no OTEL_EXPORTER_OTLP_ENDPOINT)"
+elif grep -Eq '^[[:space:]]*(\\[+[[:space:]]*otel[[:space:]]*[].]|otel[[:space:]]*[.=])' "$f"; then
+  echo "Codex telemetry: $f has an [otel] section of its own: kept"
+else
+  case "$e" in *'"'*|*'\\'*) echo "Codex telemetry: off (OTEL_EXPORTER_OTLP_ENDPOINT does not fit in config.toml)" >&2; exit 0;; esac
+  e="${e%/}"; prompts=false; [ "${OTEL_LOG_USER_PROMPTS:-}" = 1 ] && prompts=true
+  [ -s "$f" ] && [ -n "$(tail -c 1 "$f")" ] && echo >> "$f"
+  printf '%s\\n' "# >>> hangar otel: written by Hangar at each start (the token comes from the environment)" \\
+    "[otel]" "environment = \\"hangar\\"" "log_user_prompt = $prompts" \\
+    "exporter = { otlp-http = { endpoint = \\"$e/v1/logs\\", protocol = \\"binary\\" } }" \\
+    "trace_exporter = { otlp-http = { endpoint = \\"$e/v1/traces\\", protocol = \\"binary\\" } }" \\
+    "# <<< hangar otel" >> "$f"
+  echo "Codex telemetry: to $e (traces and log events; $f)"
+fi
+"""
 
 PRESETS: dict[str, Preset] = {
     p.name: p
@@ -85,6 +114,7 @@ PRESETS: dict[str, Preset] = {
             ),
             credentials=("OPENAI_API_KEY", "CODEX_API_KEY"),
             env={"CODEX_HOME": f"{HOME}/.codex"},
+            setup=CODEX_OTEL,
             docs="https://github.com/openai/codex",
         ),
         Preset(
@@ -192,6 +222,9 @@ def setup_script(
             "fi",
             f'echo "{p.binary}: $({p.binary} --version 2>&1 | head -n 1)"',
         ]
+    if p.setup:
+        # A subshell: its exit ends only itself, and its failure is said but fails no setup.
+        lines += ["(", p.setup.rstrip("\n"), f") || echo {_q(f'{p.label}: its setup step failed')} >&2"]
     lines.append("echo workspace ready")
     return "\n".join(lines) + "\n"
 

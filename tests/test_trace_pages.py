@@ -133,5 +133,22 @@ def test_a_large_trace_is_paged(client, crew, monkeypatch):
     ])  # fmt: skip
     first = client.get(f"/traces/{trace_id}/").content.decode()
     assert first.count(" data-depth=") == 50 and 'id="trace-next"' in first and "step 48" in first
+    assert "data-live=" not in first  # new spans grow the last page only
     last = client.get(f"/traces/{trace_id}/", {"offset": 100}).content.decode()
     assert last.count(" data-depth=") == 21 and "step 119" in last and 'id="trace-next"' not in last
+    assert f'data-live="/ws/ui/traces/{trace_id}"' in last
+
+
+def test_the_traces_page_searches_by_attribute_and_explains_a_bad_term(client, crew):
+    client.force_login(_member("vera", crew))
+    trace_id, _ = _agent_trace(crew)
+    quiet = _store(
+        crew, [{"id": secrets.token_hex(8), "name": "ping", "attrs": {"gen_ai.tool.name": "edit"}}]
+    )
+    page = client.get("/traces/", {"attr": "gen_ai.tool.name=bash"}).content.decode()
+    assert trace_id in page and quiet not in page
+    assert 'name="attr" value="gen_ai.tool.name=bash"' in page  # the form keeps the search
+    both = client.get("/traces/", {"attr": ["gen_ai.tool.name=bash", "process.exit_code=1"]}).content.decode()
+    assert trace_id in both and quiet not in both
+    bad = client.get("/traces/", {"attr": "no equals sign"})
+    assert bad.status_code == 200 and "attr must be key=value" in bad.content.decode()

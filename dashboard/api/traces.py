@@ -9,6 +9,7 @@ from django.http import HttpResponse, JsonResponse
 from ninja import Field, Query, Router, Schema
 
 from runtime.services import traces as trace_svc
+from runtime.services.trace_search import MAX_TERMS as MAX_ATTR_TERMS
 from runtime.services.usage import parse_range
 
 from .auth import AuthedRequest
@@ -40,6 +41,12 @@ class TracesQuery(Schema):
     from_: str | None = Field(None, alias="from", description="started at or after (ISO 8601)")
     to: str | None = Field(None, description="started before (ISO 8601)")
     min_duration_ms: float | None = Field(None, ge=0, le=1e11)
+    attr: list[str] = Field(
+        [],
+        max_length=MAX_ATTR_TERMS,
+        description="key=value (repeatable): traces with a span whose attribute key equals value; "
+        "1 matches the number or the text, true the boolean or the text",
+    )
     limit: int = Field(100, ge=1, le=trace_svc.MAX_LIST)
 
 
@@ -115,7 +122,8 @@ async def list_traces(request: AuthedRequest, q: Query[TracesQuery]):
             since, until = parse_range(q.from_, q.to)
         return trace_svc.traces_list(
             team=request.auth.team, sandbox=q.sandbox, harness=q.harness, run=q.run, service=q.service,
-            status=q.status, since=since, until=until, min_duration_ms=q.min_duration_ms, limit=q.limit,
+            status=q.status, since=since, until=until, min_duration_ms=q.min_duration_ms, attrs=q.attr,
+            limit=q.limit,
         )  # fmt: skip
 
     return await blocking(read)()

@@ -52,6 +52,7 @@ def _filters(request: HttpRequest) -> dict[str, Any]:
         "service": g.get("service", "")[:255], "status": g.get("status", "") if g.get("status") in ("error", "ok") else "",
         "since": since, "until": until,
         "min_duration_ms": float(min_ms) if min_ms.replace(".", "", 1).isdigit() else None,
+        "attrs": [a for a in g.getlist("attr") if a.strip()],
     }  # fmt: skip
 
 
@@ -66,11 +67,12 @@ def traces(request: HttpRequest) -> HttpResponse:
             rows = trace_svc.traces_list(team=tc.team, limit=200, **_filters(request))
         except ServiceError as exc:
             error = exc.message
+    attrs = [a for a in request.GET.getlist("attr") if a.strip()] or [""]
     return render_page(request, "hangar/traces.html", {"section": "traces", "traces": rows, "error": error,
-                                                       "f": request.GET}, tc)  # fmt: skip
+                                                       "f": request.GET, "attrs": attrs}, tc)  # fmt: skip
 
 
-def _waterfall(spans: list[TraceSpan], start_ns: int, end_ns: int) -> list[dict[str, Any]]:
+def waterfall_rows(spans: list[TraceSpan], start_ns: int, end_ns: int) -> list[dict[str, Any]]:
     """Spans in tree order (children under their parent, by start), with depth and the bar's place."""
     total = max(end_ns - start_ns, 1)
     ids = {s.span_id for s in spans}
@@ -117,10 +119,12 @@ def trace_detail(request: HttpRequest, trace_id: str) -> HttpResponse:
         for r in logs_qs[:500]
     ]  # fmt: skip
     context = {
-        "section": "traces", "trace": trace, "rows": _waterfall(page, trace.start_ns, trace.end_ns),
+        "section": "traces", "trace": trace, "rows": waterfall_rows(page, trace.start_ns, trace.end_ns),
         "duration_ms": total / 1e6, "started_at": trace_svc.iso(trace.start_ns), "logs": logs,
         "offset": offset, "next_offset": offset + PAGE_SPANS if more else None,
         "prev_offset": max(0, offset - PAGE_SPANS) if offset else None, "page_size": PAGE_SPANS,
+        # The last page grows as spans arrive (dashboard.websockets.trace_live), from the newest row it shows.
+        "live": not more, "after": max((s.id for s in page), default=0),
     }  # fmt: skip
     return render_page(request, "hangar/trace_detail.html", context, tc)
 

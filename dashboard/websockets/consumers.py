@@ -470,7 +470,10 @@ class ExecConsumer(_Base):
 # -- live pages (sessions only) ------------------------------------------------------------------
 
 
-class _LivePage(_Base):
+class LivePage(_Base):
+    """A dashboard page's socket (sessions only): what :meth:`render` makes of the messages on
+    its channel (:mod:`dashboard.live`), batched, pushed as text."""
+
     channel_name_: str
     queue: asyncio.Queue[str] | None = None
 
@@ -513,7 +516,7 @@ class _LivePage(_Base):
             self.pump.cancel()
 
 
-class SandboxesLiveConsumer(_LivePage):
+class SandboxesLiveConsumer(LivePage):
     """``/ws/ui/sandboxes``: rows of the team's sandboxes list, pushed as they change."""
 
     async def connect(self) -> None:
@@ -549,7 +552,7 @@ class SandboxesLiveConsumer(_LivePage):
         return render_to_string("hangar/partials/sandbox_rows_oob.html", {"rows": rows})
 
 
-class SandboxLiveConsumer(_LivePage):
+class SandboxLiveConsumer(LivePage):
     """``/ws/ui/sandboxes/{id}``: the detail page's status header and new events."""
 
     async def connect(self) -> None:
@@ -594,7 +597,7 @@ def _session_user(scope: dict[str, Any]) -> Any:
     return user
 
 
-class _SessionLivePage(_LivePage):
+class _SessionLivePage(LivePage):
     """A live page of Hangar-wide things (no one team's): any signed-in session."""
 
     async def _accept_session(self) -> bool:

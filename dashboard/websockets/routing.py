@@ -2,7 +2,7 @@
 
 from django.urls import path
 
-from . import consumers
+from . import consumers, trace_live
 
 websocket_urlpatterns = [
     path("ws/v1/terminals/<str:terminal_id>", consumers.TerminalConsumer.as_asgi()),
@@ -11,4 +11,5 @@ websocket_urlpatterns = [
     path("ws/ui/sandboxes/<str:sandbox_id>", consumers.SandboxLiveConsumer.as_asgi()),
     path("ws/ui/images", consumers.ImagesLiveConsumer.as_asgi()),
     path("ws/ui/images/jobs/<int:job_id>", consumers.ImageJobLiveConsumer.as_asgi()),
+    path("ws/ui/traces/<str:trace_id>", trace_live.TraceLiveConsumer.as_asgi()),
 ]

@@ -170,6 +170,10 @@ class LiveSandboxQuery(_Query):
     after: int = Field(0, ge=0, description="events after this id")
 
 
+class LiveTraceQuery(_Query):
+    after: int = Field(0, ge=0, le=2**63 - 1, description="spans stored after this row id")
+
+
 def parse_query(query: dict[str, str], model: type[_Query]) -> Any:
     """A socket's query string (first value of each parameter), checked against ``model``."""
     try:

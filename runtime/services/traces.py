@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 from collections import defaultdict
+from collections.abc import Sequence
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -23,6 +24,7 @@ from django.utils import timezone
 from ..errors import InvalidValue, NotFound
 from ..models import Team, Trace, TraceLog, TraceSpan, TraceValue
 from . import secrets as secret_svc
+from . import trace_live, trace_search
 from .otlp import Decoded
 
 MAX_LIST = 1000
@@ -93,6 +95,7 @@ def spans_store(*, team: Team, decoded: Decoded) -> int:
             for key, v in later:
                 span.attributes[f"hangar.truncated.{key}"] = v.id
         TraceSpan.objects.bulk_create(spans, batch_size=500)
+        trace_live.spans_stored(team_id=team.id, spans=spans)  # live pages, once this commits
         Trace.objects.bulk_create(
             [Trace(team=team, trace_id=t, start_ns=s["start"], end_ns=s["end"], service=s["service"])
              for t, s in summary.items()],
@@ -140,15 +143,19 @@ def traces_list(
     since: datetime | None = None,
     until: datetime | None = None,
     min_duration_ms: float | None = None,
+    attrs: Sequence[str] = (),
     limit: int = 100,
 ) -> list[dict[str, Any]]:
     """The team's traces, newest first; ``sandbox`` (``run``, ``harness``) matches a trace with
-    any span tied to it."""
+    any span tied to it, each of ``attrs`` (``key=value``) one with a span of that attribute."""
     if not 1 <= limit <= MAX_LIST:
         raise InvalidValue(f"limit must be between 1 and {MAX_LIST}, got {limit}")
     if status not in ("", "error", "ok"):
         raise InvalidValue(f"status must be error or ok, got {status!r}")
+    terms = trace_search.attr_terms(attrs)
     qs: QuerySet[Trace] = Trace.objects.filter(team=team)
+    for matching in trace_search.traces_with_attrs(team=team, terms=terms):
+        qs = qs.filter(trace_id__in=matching)
     for column, wanted in (("sandbox_id", sandbox), ("harness_id", harness), ("run_id", run)):
         if wanted:
             spans = TraceSpan.objects.filter(team=team, **{column: wanted}).values("trace_id")

@@ -85,6 +85,14 @@ def test_each_preset_is_installed_when_missing_and_launched_headless_with_its_cr
                    "pi": "@mariozechner/pi-coding-agent"}[binary]  # fmt: skip
         assert f"installing {package} into /workspace/.hangar/tools" in log, log
         npm_log = sh(api, h["sandbox"], "cat /workspace/.hangar/npm.log")["stdout"]
+        if preset == "codex":  # its telemetry to Hangar, in its config.toml; the token not in any file
+            assert "Codex telemetry: to http://hangar.internal:" in log, log
+            config = api.get(f"/sandboxes/{h['sandbox']}/files",
+                             params={"path": "/workspace/.hangar/home/.codex/config.toml"}).text  # fmt: skip
+            assert "[otel]" in config and '/v1/traces", protocol = "binary"' in config, config
+            found = sh(api, h["sandbox"], '[ -n "$HANGAR_API_TOKEN" ] || echo no token; grep -rlF "$HANGAR_API_TOKEN" '
+                                          "/workspace /root /tmp /etc /home 2>/dev/null; echo end")  # fmt: skip
+            assert found["stdout"] == "end\n", found
         assert (
             f"npm install --global --no-fund --no-audit --prefix /workspace/.hangar/tools {package}"
             in npm_log

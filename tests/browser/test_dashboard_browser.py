@@ -320,3 +320,42 @@ def test_a_trace_page_shows_the_waterfall_and_the_span_panel(page, server, team_
     page.screenshot(path=SHOTS / "30-trace.png")
     page.click(".wf-row[data-depth='0'] .wf-toggle")  # collapse the root: its children hide
     assert page.locator(".wf-row[data-depth='1']").first.is_hidden()
+
+
+def test_a_trace_still_being_written_grows_on_its_page(page, server, team_token):
+    """Spans exported while the page is open appear without a reload, each under its parent:
+    the root, which ends (and is exported) last, takes its earlier children in."""
+    from opentelemetry import trace
+    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+    from opentelemetry.sdk.resources import Resource
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+
+    exporter = OTLPSpanExporter(
+        endpoint=f"{server}/v1/traces", headers={"Authorization": f"Bearer {team_token}"}
+    )
+    provider = TracerProvider(resource=Resource.create({"service.name": "live-agent"}))
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    tracer = provider.get_tracer("test")
+    root = tracer.start_span("invoke_agent")
+    inside = trace.set_span_in_context(root)
+    tracer.start_span("first step", context=inside).end()
+    trace_id = format(root.get_span_context().trace_id, "032x")
+    sign_in(page)
+    page.goto(f"/traces/{trace_id}/")
+    page.wait_for_selector(".wf-row[data-depth='0']:has-text('first step')")
+
+    with tracer.start_as_current_span(
+        "execute_tool", context=inside, attributes={"gen_ai.tool.name": "bash"}
+    ):
+        pass
+    page.wait_for_selector(".wf-row:has-text('execute_tool') .wf-bar.tool")
+    root.end()
+    page.wait_for_selector(".wf-row[data-depth='0']:has-text('invoke_agent') .wf-toggle")
+    page.wait_for_selector(".wf-row[data-depth='1']:has-text('first step')")
+    assert page.inner_text("#trace-span-count") == "3 spans"
+    assert page.inner_text(".page-head h1") == "invoke_agent"
+    page.screenshot(path=SHOTS / "31-trace-live.png")
+    page.click(".wf-row:has-text('execute_tool')")  # a row that came over the socket opens its panel
+    page.wait_for_selector("#span-detail:has-text('gen_ai.tool.name')")
+    provider.shutdown()

@@ -1,0 +1,50 @@
+"""Live traces: once spans are stored, the pages watching their traces are told which rows are
+new, so a trace still being written grows on the page (:mod:`dashboard.websockets.trace_live`).
+
+A plain Redis PUBLISH per trace after the transaction commits (as :mod:`runtime.notify` does
+for sandboxes), on ``hangar:trace:<team>:<trace id>``, carrying the range of the new rows' ids,
+``"<first>-<last>"``: the page's socket reads exactly those, whatever order concurrent batches
+commit in. Nobody listening costs a publish; a lost message costs the page that batch until
+its next one or a reload, never the store."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+
+import redis
+from django.db import transaction
+
+from ..models import TraceSpan
+from ..notify import redis_client
+
+log = logging.getLogger(__name__)
+
+
+def trace_channel(team_id: int, trace_id: str) -> str:
+    return f"hangar:trace:{team_id}:{trace_id}"
+
+
+def spans_stored(*, team_id: int, spans: Iterable[TraceSpan]) -> None:
+    """Called by the store with the spans it just inserted (their ids set): their traces' live
+    pages hear of them once the current transaction commits."""
+    ranges: dict[str, tuple[int, int]] = {}
+    for s in spans:
+        if s.pk is None:  # a database that does not return ids: the page reads what is new
+            ranges[s.trace_id] = (0, 0)
+            continue
+        lo, hi = ranges.get(s.trace_id, (s.pk, s.pk))
+        if lo:
+            ranges[s.trace_id] = (min(lo, s.pk), max(hi, s.pk))
+    if ranges:
+        transaction.on_commit(lambda: _publish(team_id, ranges))
+
+
+def _publish(team_id: int, ranges: dict[str, tuple[int, int]]) -> None:
+    try:
+        pipe = redis_client().pipeline(transaction=False)
+        for trace_id, (lo, hi) in ranges.items():
+            pipe.publish(trace_channel(team_id, trace_id), f"{lo}-{hi}" if lo else "new")
+        pipe.execute()
+    except redis.RedisError:
+        log.warning("could not announce new spans of team %s", team_id, exc_info=True)
