@@ -4,7 +4,7 @@ A rule names the scope a token needs (``sandboxes:read``…; a token without sco
 the least team role that may call it (``viewer`` < ``member`` < ``admin`` < ``owner``); the
 caller's role is the lower of their role in the team and the role their token was issued
 with. Site staff may call ``staff`` endpoints (images are shared by every team). An endpoint
-with no rule is refused, and ``tests/api/test_authorization.py`` fails for it: adding an
+with no rule is refused, and ``tests/reliability/test_authorization.py`` fails for it: adding an
 endpoint means adding its rule here.
 """
 
