@@ -3,9 +3,23 @@
 import os
 
 from celery import Celery
+from celery.signals import worker_ready
 
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "dashboard.settings")
 
 app = Celery("hangar")
 app.config_from_object("django.conf:settings", namespace="CELERY")
 app.autodiscover_tasks(["runtime"])
+
+
+@worker_ready.connect
+def _recover_node(sender: object = None, **_: object) -> None:
+    """A worker that serves this node's queue, once ready, takes back the work its predecessor
+    died holding (runtime.node.sandboxes.node_recover), as a task on that queue."""
+    from runtime.node.local import local_node_name, node_queue
+
+    queue = node_queue(local_node_name())
+    consumer = getattr(sender, "task_consumer", None)
+    served = {q.name for q in getattr(consumer, "queues", None) or []}
+    if queue in served:
+        app.send_task("runtime.tasks.node_recover", queue=queue, ignore_result=True)

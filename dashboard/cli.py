@@ -4,17 +4,16 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import shutil
-import signal
 import stat
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+from dashboard import supervise
 
 
 def _setup_django() -> Any:
@@ -162,7 +161,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         ]  # fmt: skip
         if settings.HANGAR_SSH_PORT:
             specs.append(("ssh-gateway", [py, "-m", "dashboard.cli", "ssh-gateway"]))
-        logs = _start_children(specs, env, data_dir, children)
+        logs = supervise.start_children(specs, env, data_dir, children)
         url = f"http://{'127.0.0.1' if args.host in ('0.0.0.0', '::') else args.host}:{args.port}"
         _say("")
         _say(f"Hangar is up at {url}  (API docs: {url}/api/v1/docs)")
@@ -187,58 +186,11 @@ def cmd_up(args: argparse.Namespace) -> int:
                 f"  admin: {user.get_username()} (password shown on first start); new token: hangar token create --user {user.get_username()}"
             )
         _say("Press Ctrl-C to stop.")
-        return _supervise(children)
+        return supervise.supervise(children, supervise.restarter(specs, env, logs))
     finally:
-        _stop_all(children)
+        supervise.stop_all(children)
         if redis_proc is not None:
-            _stop_all([("redis", redis_proc)])
-
-
-def _start_children(specs: list[tuple[str, list[str]]], env: dict[str, str], data_dir: Path,
-                    children: list[tuple[str, subprocess.Popen[bytes]]]) -> Path:  # fmt: skip
-    """Start Hangar's processes, each in its own process group (Ctrl-C reaches only the
-    supervisor, which stops them in order), its output to ``<data dir>/logs/<name>.log``; the
-    console shows Hangar's own lines and the children's warnings and errors (not Celery's
-    banner, nor every request). Returns the logs' directory."""
-    logs = data_dir / "logs"
-    logs.mkdir(mode=0o700, exist_ok=True)
-    for name, argv in specs:
-        with open(logs / f"{name}.log", "ab") as log:
-            start = log.seek(0, os.SEEK_END)
-            proc = subprocess.Popen(
-                argv, env=env, start_new_session=True, stdout=log, stderr=subprocess.STDOUT
-            )
-        children.append((name, proc))
-        _echo_problems(name, logs / f"{name}.log", start)
-    return logs
-
-
-# A child's line worth a console line: a log record at warning or above, or a traceback.
-_PROBLEM = re.compile(r"\b(WARNING|ERROR|CRITICAL)\b|^Traceback ")
-
-
-def _echo_problems(name: str, path: Path, start: int) -> None:
-    """Follow a child's log from ``start`` and say its warnings and errors (with a traceback's
-    lines) on the console, prefixed with its name."""
-
-    def follow() -> None:
-        with open(path, errors="replace") as f:
-            f.seek(start)
-            in_traceback, partial = False, ""
-            while True:
-                partial += f.readline()
-                if not partial.endswith("\n"):  # nothing new, or a line still being written
-                    time.sleep(0.3)
-                    continue
-                line, partial = partial.rstrip("\n"), ""
-                if in_traceback:  # its frames, then the exception's own line, which ends it
-                    _say(f"hangar[{name}]: {line}")
-                    in_traceback = line[:1] in (" ", "\t")
-                elif _PROBLEM.search(line):
-                    _say(f"hangar[{name}]: {line}")
-                    in_traceback = line.startswith("Traceback ")
-
-    threading.Thread(target=follow, name=f"log-{name}", daemon=True).start()
+            supervise.stop_all([("redis", redis_proc)])
 
 
 def _become_subreaper() -> None:
@@ -251,58 +203,6 @@ def _become_subreaper() -> None:
     libc = ctypes.CDLL(None, use_errno=True)
     if libc.prctl(pr_set_child_subreaper, 1, 0, 0, 0) != 0:
         _say("hangar: could not become a child subreaper; exited sandboxes are reaped by init")
-
-
-def _supervise(children: list[tuple[str, subprocess.Popen[bytes]]]) -> int:
-    stop = {"signal": 0}
-
-    def on_signal(signum: int, _frame: Any) -> None:
-        stop["signal"] = signum
-
-    signal.signal(signal.SIGINT, on_signal)
-    signal.signal(signal.SIGTERM, on_signal)
-    names = {proc.pid: name for name, proc in children}
-    # Woken by SIGCHLD, not a poll: an exited sandbox is reaped at once, and `runsc delete`
-    # (a pause's or a resume's) waits for just that. Blocked in this thread only, after the
-    # children started, so none of them inherits the mask.
-    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGCHLD})
-    while not stop["signal"]:
-        # Reap everything: our own children and the orphaned sandboxes we inherit.
-        try:
-            pid, status = os.waitpid(-1, os.WNOHANG)
-        except ChildProcessError:
-            pid, status = 0, 0
-        if pid in names:
-            _say(
-                f"hangar: {names[pid]} exited with status {os.waitstatus_to_exitcode(status)}; stopping everything "
-                f"(its log: logs/{names[pid]}.log in the data dir)"
-            )
-            return 1
-        if pid == 0:
-            signal.sigtimedwait({signal.SIGCHLD}, 0.2)  # a signal to stop is seen within 0.2 s
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGCHLD})
-    _say("hangar: stopping…")
-    return 0
-
-
-def _stop_all(children: list[tuple[str, subprocess.Popen[bytes]]], timeout: float = 15.0) -> None:
-    for _, proc in children:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
-    deadline = time.monotonic() + timeout
-    for _, proc in children:
-        try:
-            proc.wait(max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            pass
-    for _, proc in children:
-        # Whatever is left of each group (worker pool processes, a stuck child) goes too.
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-        if proc.poll() is None:
-            proc.wait(5)
 
 
 def cmd_node(args: argparse.Namespace) -> int:
@@ -325,11 +225,11 @@ def cmd_node(args: argparse.Namespace) -> int:
     children: list[tuple[str, subprocess.Popen[bytes]]] = []
     _become_subreaper()
     try:
-        logs = _start_children(specs, dict(os.environ), Path(settings.DATA_DIR), children)
+        logs = supervise.start_children(specs, dict(os.environ), Path(settings.DATA_DIR), children)
         _say(f"hangar: logs in {logs}/ (warnings and errors show here too)")
-        return _supervise(children)
+        return supervise.supervise(children, supervise.restarter(specs, dict(os.environ), logs))
     finally:
-        _stop_all(children)
+        supervise.stop_all(children)
 
 
 def cmd_bridge(args: argparse.Namespace) -> int:

@@ -39,6 +39,18 @@ def bridge_channel(node_name: str) -> str:
     return "hangar.bridge." + _UNSAFE.sub("-", node_name)[:80]
 
 
+# A running bridge says so: it keeps this key (its instance id) alive in Redis, refreshed every
+# BRIDGE_ALIVE_EVERY_S with a TTL of BRIDGE_ALIVE_TTL_S. A follower that hears nothing for a
+# while looks: the key gone (twice in a row), or another instance's, means the bridge that held
+# its process died or restarted, and no more of its output will come.
+BRIDGE_ALIVE_TTL_S = 10
+BRIDGE_ALIVE_EVERY_S = 2.0
+
+
+def bridge_alive_key(node_name: str) -> str:
+    return f"hangar:bridge-alive:{_UNSAFE.sub('_', node_name)}"
+
+
 def proc_group(key: str) -> str:
     return "hangar.proc." + key
 

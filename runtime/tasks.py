@@ -108,6 +108,12 @@ def node_reconcile() -> dict[str, list[str]]:
 
 
 @shared_task
+def node_recover() -> dict[str, list[str]]:
+    """Sent by this node's worker to itself once it is ready (dashboard.celery)."""
+    return node_svc.node_recover(node_name=local_node_name())
+
+
+@shared_task
 def nodes_tick() -> None:
     """Beat: ask every node's own worker to heartbeat and reconcile; mark silent nodes offline."""
     node_services.nodes_mark_offline()

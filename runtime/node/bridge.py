@@ -48,12 +48,14 @@ import contextlib
 import logging
 import threading
 import time
+import uuid
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
 from django.conf import settings
+from redis.exceptions import ConnectionError as RedisConnectionError
 
 from .. import streams
 from ..launchers.base import FileOpError, LauncherError, Process, ProcessExit, ProcessRequest
@@ -119,6 +121,8 @@ class Bridge:
         self.procs: dict[str, LiveProcess] = {}
         self.loop: asyncio.AbstractEventLoop | None = None
         self._background: set[asyncio.Task[None]] = set()
+        self.instance = uuid.uuid4().hex
+        self._alive_at = 0.0
 
     def _spawn(self, coro: Any) -> None:
         """Run ``coro`` beside the dispatch loop (which must never wait on one command)."""
@@ -132,6 +136,7 @@ class Bridge:
         self.loop = asyncio.get_running_loop()
         self.loop.set_default_executor(ThreadPoolExecutor(max_workers=THREADS, thread_name_prefix="bridge"))
         await asyncio.to_thread(_mark_lost_on_start, self.node_name)
+        await self._say_alive()
         housekeeping = asyncio.create_task(self._housekeeping())
         tunnel_server = None
         if settings.HANGAR_TUNNEL_PORT:  # other machines' servers reach this node's sandboxes
@@ -157,14 +162,26 @@ class Bridge:
         if ready is not None:
             ready.set()
         try:
+            backoff = 0.5
             while True:
-                msg = await self.layer.receive(self.channel)
+                try:
+                    msg = await self.layer.receive(self.channel)
+                except (OSError, RedisConnectionError) as exc:
+                    # Redis restarting or out of reach: the bridge outlives it, its processes
+                    # with it, and takes messages again once it is back.
+                    log.warning("bridge: Redis unreachable (%s); trying again in %.1f s", exc, backoff)
+                    await asyncio.sleep(backoff)
+                    backoff = min(backoff * 2, 5.0)
+                    continue
+                backoff = 0.5
                 try:
                     await self.dispatch(msg)
                 except Exception:  # one bad message must not take the node's streams down
                     log.exception("bridge: failed to handle %s", msg.get("type"))
         finally:
             housekeeping.cancel()
+            with contextlib.suppress(Exception):  # followers learn at once that nothing more comes
+                await asyncio.to_thread(_redis().delete, streams.bridge_alive_key(self.node_name))
             if tunnel_server is not None:
                 tunnel_server.close()
             if door is not None:
@@ -453,12 +470,23 @@ class Bridge:
 
     # -- housekeeping ------------------------------------------------------------------------
 
+    async def _say_alive(self) -> None:
+        """Keep this bridge's liveness key (its instance id) in Redis (see streams)."""
+        self._alive_at = time.monotonic()
+        key = streams.bridge_alive_key(self.node_name)
+        try:
+            await asyncio.to_thread(_redis().set, key, self.instance, ex=streams.BRIDGE_ALIVE_TTL_S)
+        except Exception as exc:  # Redis away: said again at the next tick
+            log.warning("bridge: could not say it is alive: %s", exc)
+
     async def _housekeeping(self) -> None:
         report_every = float(settings.HANGAR_ACTIVITY_REPORT_S)
         reported = time.monotonic()
         while True:
             await asyncio.sleep(HOUSEKEEPING_S)
             now = time.monotonic()
+            if now - self._alive_at >= streams.BRIDGE_ALIVE_EVERY_S:
+                await self._say_alive()
             if now - reported >= report_every:
                 reported = now
                 active = {
@@ -526,6 +554,18 @@ def _touch(sandbox_ids: set[str]) -> None:
         log.exception("bridge: could not record activity in %s", sorted(sandbox_ids))
     finally:
         close_old_connections()
+
+
+_redis_client: Any = None
+
+
+def _redis() -> Any:
+    global _redis_client
+    if _redis_client is None:
+        from ..notify import redis_client
+
+        _redis_client = redis_client()
+    return _redis_client
 
 
 def _mark_lost_on_start(node_name: str) -> None:

@@ -18,12 +18,12 @@ from ..host.images.base import ImageError
 from ..host.volumes import VolumeError
 from ..launchers.base import LauncherError, SandboxSpec
 from ..lifecycle import transition, transition_row
-from ..models import Node, Sandbox
+from ..models import Node, Sandbox, SandboxEvent
 from ..services import secrets as secret_svc
 from ..services import spans
 from ..services import volumes as volume_svc
 from ..services.sandbox_calls import handle_of, sandbox_fail
-from ..services.sandboxes import PAUSE_MODE_CHECKPOINT, PAUSE_MODE_STOP
+from ..services.sandboxes import PAUSE_MODE_CHECKPOINT, PAUSE_MODE_STOP, WAITING_ON, resend
 from .local import image_store, launcher_for, local_node_name
 
 log = logging.getLogger(__name__)
@@ -225,4 +225,41 @@ def node_reconcile(*, node_name: str) -> dict[str, list[str]]:
                                          status__in=[S.STARTING, S.RUNNING, S.PAUSING, S.RESUMING, S.STOPPING,
                                                      S.PAUSED])  # fmt: skip
         report["networks_removed"] += launcher.network_reconcile(dict(holding.values_list("id", "network")))
+    return report
+
+
+# A start interrupted this many times by its worker's death is not tried again: it fails.
+RESTARTS = 2
+
+
+def node_recover(*, node_name: str) -> dict[str, list[str]]:
+    """What this node's worker, just started, owes the sandboxes its predecessor was working on
+    when it died (a SIGKILL, an OOM kill, a crash): a start it was in the middle of is undone
+    (what the runtime had made of it goes) and tried again, twice at most; the task of every
+    other row waiting on this node (provision, suspend, resume, halt, destroy) is sent again,
+    now rather than when the broker would give its message back. One worker consumes a node's
+    queue, so nothing of this node is in progress while this runs. Every task is idempotent."""
+    report: dict[str, list[str]] = {"restarted": [], "failed": [], "resent": []}
+    node = Node.objects.filter(name=node_name).first()
+    if node is None:
+        return report
+    for row in Sandbox.objects.filter(node=node, status=S.STARTING):
+        launcher = launcher_for(row.runtime)
+        with contextlib.suppress(LauncherError):
+            launcher.destroy(handle_of(row, launcher))
+        tries = SandboxEvent.objects.filter(
+            sandbox_id=row.id, status_from=S.STARTING, status_to=S.PENDING
+        ).count()
+        if tries >= RESTARTS:
+            if sandbox_fail(sandbox_id=row.id, reason=f"its start was interrupted {tries + 1} times: "
+                            f"node {node_name}'s worker stopped during it each time"):  # fmt: skip
+                report["failed"].append(row.id)
+        elif transition(row.id, to=S.PENDING, frm=[S.STARTING],
+                        reason=f"node {node_name}'s worker stopped during its start: starting it again"):  # fmt: skip
+            report["restarted"].append(row.id)
+    for row in Sandbox.objects.filter(node=node, status__in=list(WAITING_ON)).select_related("node"):
+        resend(row)
+        report["resent"].append(row.id)
+    if any(report.values()):
+        log.warning("node %s recovered its worker's lost work: %s", node_name, report)
     return report

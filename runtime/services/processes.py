@@ -38,6 +38,8 @@ from .sandbox_io import exec_validate
 
 # A follower that hears nothing for this long checks the row (did the bridge go away?).
 FOLLOW_IDLE_S = 30.0
+# How often a quiet follower looks whether the bridge holding its process is still there.
+BRIDGE_CHECK_S = 5.0
 MAX_INLINE_STDIN = 1024 * 1024
 ACK_EVERY_BYTES = 64 * 1024
 ACK_EVERY_S = 0.05
@@ -554,10 +556,20 @@ class ProcessFollow:
         try:
             if not self.attached:
                 await self._attach(self.offset, self.live)
+            quiet_since = time.monotonic()
+            bridge = _BridgeWatch(self.handle.node_name)
             while not follower.done:
                 try:
-                    msg = await asyncio.wait_for(layer.receive(self.channel), FOLLOW_IDLE_S)
+                    msg = await asyncio.wait_for(layer.receive(self.channel), BRIDGE_CHECK_S)
                 except TimeoutError:
+                    gone = await bridge.gone()
+                    if gone:
+                        follower.done = True
+                        yield ("exit", {"exit_code": None, "signal": 0, "timed_out": False, "error": gone})
+                        break
+                    if time.monotonic() - quiet_since < FOLLOW_IDLE_S:
+                        continue
+                    quiet_since = time.monotonic()
                     # Quiet for long: normal for a busy command, but if its row says it ended
                     # the bridge lost it; ask once more, then report the row's outcome.
                     ended = await _db(_ended_info)(self.handle)
@@ -568,6 +580,7 @@ class ProcessFollow:
                         retried = True
                         await self._attach(follower.want)
                     continue
+                quiet_since = time.monotonic()
                 for event in follower.feed(msg):
                     if event[0] == "resync":
                         await self._attach(event[1])
@@ -591,6 +604,49 @@ class ProcessFollow:
             await layer.group_discard(group, channel)
             if not follower.done:
                 await self._send(streams.DETACH, reply=channel)
+
+
+class _BridgeWatch:
+    """Whether the bridge that holds a process is still the one that did (streams' liveness
+    key): asked only when a follower has heard nothing for a while, so a busy stream costs no
+    Redis call. Gone: the key missing twice in a row (a Redis just restarted has lost it for a
+    moment), or another bridge's instance (a restart, which ends the processes it held)."""
+
+    def __init__(self, node_name: str | None) -> None:
+        self.node_name = node_name
+        self.instance: bytes | None = None
+        self.missing = 0
+
+    async def gone(self) -> str | None:
+        if not self.node_name:
+            return None
+        try:
+            now = await asyncio.to_thread(_redis().get, streams.bridge_alive_key(self.node_name))
+        except Exception:  # Redis unreachable: no word either way
+            return None
+        if now is None:
+            self.missing += 1
+            if self.missing >= 2:
+                return f"the stream bridge of node {self.node_name} stopped: no more output of this command can come"
+            return None
+        self.missing = 0
+        if self.instance is None:
+            self.instance = now
+        elif now != self.instance:
+            return f"the stream bridge of node {self.node_name} restarted, which ends the processes it held"
+        return None
+
+
+_redis_client: Any = None
+
+
+def _redis() -> Any:
+    global _redis_client
+    if _redis_client is None:
+        from ..notify import redis_client
+
+        _redis_client = redis_client()
+    return _redis_client
 
 
 def _ended_info(target: ProcessHandle) -> dict[str, Any] | None:

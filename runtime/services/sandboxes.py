@@ -21,7 +21,7 @@ from .. import enqueue, events, notify
 from ..errors import Conflict, InvalidValue, NotFound
 from ..host.network import validate_policy
 from ..lifecycle import record_event, transition
-from ..models import Pool, Sandbox, Team, TeamPolicy
+from ..models import AuditEvent, Pool, Sandbox, Team, TeamPolicy
 from ..notify import wait_for_status
 from . import audit, quotas, spans
 from . import secrets as secret_svc
@@ -549,19 +549,39 @@ def sandboxes_reap_expired() -> int:
                 sandbox_pause(sandbox=sandbox, reason=f"pausing: idle for {idle_s:.0f} s "
                               f"(idle_timeout_s {sandbox.idle_timeout_s})")  # fmt: skip
                 count += 1
-    # Pause and resume tasks lost with a dead worker: send them again (both are idempotent).
-    for status, task in ((S.PAUSING, "suspend"), (S.RESUMING, "resume")):
-        for sandbox in Sandbox.objects.filter(
-            status=status, updated_at__lte=now - timedelta(minutes=2)
-        ).select_related("node")[:100]:
-            if sandbox.node is not None:
-                _enqueue(task, sandbox.id, sandbox.node.queue)
-    # Destroy tasks lost with a dead worker: re-send for rows stuck in stopping.
-    stuck = Sandbox.objects.filter(status=S.STOPPING, updated_at__lte=timezone.now() - timedelta(minutes=2))
-    for sandbox in stuck.select_related("node")[:100]:
+    # Tasks lost with a dead worker (each is idempotent): send them again. A node's worker
+    # started again does it at once (runtime.node.sandboxes.node_recover); this is the net
+    # under that, for a message lost some other way.
+    for sandbox in Sandbox.objects.filter(
+        status__in=list(WAITING_ON), updated_at__lte=now - timedelta(minutes=2)
+    ).select_related("node")[:200]:
         if sandbox.node is not None:
-            _enqueue("destroy", sandbox.id, sandbox.node.queue)
+            _enqueue(waiting_on(sandbox), sandbox.id, sandbox.node.queue)
     return count
+
+
+# The node task a row in each transitional state waits on.
+WAITING_ON: dict[str, str] = {S.PENDING: "provision", S.PAUSING: "suspend", S.RESUMING: "resume", S.STOPPING: "destroy"}
+
+
+def waiting_on(sandbox: Sandbox) -> str:
+    """The node task ``sandbox``'s row waits on: a stopping row, ``halt`` when a stop moved it
+    there (it ends ``stopped``), ``destroy`` when a delete did (it ends ``deleted``)."""
+    if sandbox.status != S.STOPPING:
+        return WAITING_ON[sandbox.status]
+    last = (
+        AuditEvent.objects.filter(target=sandbox.id, action__in=("sandbox.stop", "sandbox.delete"))
+        .order_by("-created_at", "-id")
+        .values_list("action", flat=True)
+        .first()
+    )
+    return "halt" if last == "sandbox.stop" else "destroy"
+
+
+def resend(sandbox: Sandbox) -> None:
+    """Send again the node task ``sandbox``'s row waits on (after its worker was lost)."""
+    if sandbox.node is not None:
+        _enqueue(waiting_on(sandbox), sandbox.id, sandbox.node.queue)
 
 
 def _busy(sandbox_ids: list[str]) -> set[str]:

@@ -151,6 +151,41 @@ def test_duplicate_provision_tasks_are_harmless(celery_worker, local_node, team)
 
 
 @requires_runsc
+def test_a_start_its_worker_died_in_is_undone_and_started_again_twice_at_most(celery_worker, local_node, team):
+    """A worker started again (node_recover) takes back a start its predecessor died in: what
+    the runtime had made of it goes, the row goes back to pending and its start is sent again;
+    a third interrupted start fails with the reason instead of looping."""
+    sb = _create(team)
+    launcher = launcher_for("gvisor")
+    # The worker died after the runtime came up, before the row said running.
+    Sandbox.objects.filter(id=sb.id).update(status=S.STARTING)
+    report = node_svc.node_recover(node_name=local_node.name)
+    assert report["restarted"] == [sb.id] and sb.id in report["resent"]
+    sb = svc.sandbox_wait(sandbox=sb, timeout=60)
+    assert sb.status == S.RUNNING, sb.status_reason
+    assert sb.events.filter(status_from=S.STARTING, status_to=S.PENDING).count() == 1
+    for _ in range(2):
+        Sandbox.objects.filter(id=sb.id).update(status=S.STARTING)
+        node_svc.node_recover(node_name=local_node.name)
+        sb = svc.sandbox_wait(sandbox=sb, timeout=60)
+    assert sb.status == S.FAILED and "interrupted 3 times" in sb.status_reason, sb.status_reason
+    wait_until(lambda: sb.id not in launcher.states(), 30, what="the runtime gone")
+
+
+def test_a_lost_stop_is_sent_again_as_a_stop_and_a_lost_delete_as_a_delete(transactional_db, team):
+    stopped = Sandbox.objects.create(team=team, image="x", image_digest="sha256:x", status=S.RUNNING)
+    deleted = Sandbox.objects.create(team=team, image="x", image_digest="sha256:x", status=S.RUNNING)
+    svc.sandbox_stop(sandbox=stopped)
+    svc.sandbox_delete(sandbox=deleted)
+    for sb in (stopped, deleted):  # no node: their rows moved on at once; as a node's they wait
+        Sandbox.objects.filter(id=sb.id).update(status=S.STOPPING)
+        sb.refresh_from_db()
+    assert svc.waiting_on(stopped) == "halt"
+    assert svc.waiting_on(deleted) == "destroy"
+    assert svc.waiting_on(Sandbox(status=S.PENDING)) == "provision"
+
+
+@requires_runsc
 def test_expired_sandboxes_are_stopped_and_destroyed(celery_worker, local_node, team):
     sb = _create(team, timeout_s=1)
     assert sb.status == S.RUNNING

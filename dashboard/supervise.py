@@ -1,0 +1,159 @@
+"""Hangar's processes under `hangar up` and `hangar node`: each started in its own process
+group with its log under ``<data dir>/logs/``, its warnings and errors echoed on the console,
+and started again when it dies (a crash, an OOM kill, a library's unrecoverable error on a
+Redis restart) rather than taking the rest down with it. One that keeps dying is given up on,
+and everything stops, saying which and where its log is."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+Children = list[tuple[str, "subprocess.Popen[bytes]"]]
+
+# A child that exits this many times within RESTART_WINDOW_S is not started again.
+RESTART_LIMIT = 5
+RESTART_WINDOW_S = 300.0
+# Waits before each start again: the first at once, then longer (a crash loop does not spin).
+RESTART_DELAYS_S = (0.0, 1.0, 2.0, 5.0, 10.0)
+
+
+def say(message: str) -> None:
+    print(message, flush=True)
+
+
+def start_child(name: str, argv: list[str], env: dict[str, str], logs: Path) -> subprocess.Popen[bytes]:
+    """Start one of Hangar's processes in its own process group (Ctrl-C reaches only the
+    supervisor, which stops them in order), its output appended to ``logs/<name>.log``."""
+    with open(logs / f"{name}.log", "ab") as log:
+        start = log.seek(0, os.SEEK_END)
+        proc = subprocess.Popen(argv, env=env, start_new_session=True, stdout=log, stderr=subprocess.STDOUT)
+    _echo_problems(name, logs / f"{name}.log", start)
+    return proc
+
+
+def start_children(
+    specs: list[tuple[str, list[str]]], env: dict[str, str], data_dir: Path, children: Children
+) -> Path:
+    """Start Hangar's processes (:func:`start_child`); the console shows Hangar's own lines and
+    the children's warnings and errors (not Celery's banner, nor every request). Returns the
+    logs' directory."""
+    logs = data_dir / "logs"
+    logs.mkdir(mode=0o700, exist_ok=True)
+    for name, argv in specs:
+        children.append((name, start_child(name, argv, env, logs)))
+    return logs
+
+
+def restarter(
+    specs: list[tuple[str, list[str]]], env: dict[str, str], logs: Path
+) -> Callable[[str], subprocess.Popen[bytes]]:
+    """What :func:`supervise` calls to start the child ``name`` again, as it was first started."""
+    argv = dict(specs)
+    return lambda name: start_child(name, argv[name], env, logs)
+
+
+# A child's line worth a console line: a log record at warning or above, or a traceback.
+_PROBLEM = re.compile(r"\b(WARNING|ERROR|CRITICAL)\b|^Traceback ")
+
+
+def _echo_problems(name: str, path: Path, start: int) -> None:
+    """Follow a child's log from ``start`` and say its warnings and errors (with a traceback's
+    lines) on the console, prefixed with its name."""
+
+    def follow() -> None:
+        with open(path, errors="replace") as f:
+            f.seek(start)
+            in_traceback, partial = False, ""
+            while True:
+                partial += f.readline()
+                if not partial.endswith("\n"):  # nothing new, or a line still being written
+                    time.sleep(0.3)
+                    continue
+                line, partial = partial.rstrip("\n"), ""
+                if in_traceback:  # its frames, then the exception's own line, which ends it
+                    say(f"hangar[{name}]: {line}")
+                    in_traceback = line[:1] in (" ", "\t")
+                elif _PROBLEM.search(line):
+                    say(f"hangar[{name}]: {line}")
+                    in_traceback = line.startswith("Traceback ")
+
+    threading.Thread(target=follow, name=f"log-{name}", daemon=True).start()
+
+
+def supervise(children: Children, restart: Callable[[str], subprocess.Popen[bytes]] | None = None) -> int:
+    """Reap, until SIGINT or SIGTERM (0) or a child that cannot be kept up (1). A child that
+    exits is started again with ``restart`` (after RESTART_DELAYS_S), unless it has exited
+    RESTART_LIMIT times within RESTART_WINDOW_S; without ``restart``, any exit stops all."""
+    stop = {"signal": 0}
+
+    def on_signal(signum: int, _frame: object) -> None:
+        stop["signal"] = signum
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    names = {proc.pid: name for name, proc in children}
+    exits: dict[str, list[float]] = {}
+    due: dict[str, float] = {}  # children to start again, and when
+    # Woken by SIGCHLD, not a poll: an exited sandbox is reaped at once, and `runsc delete`
+    # (a pause's or a resume's) waits for just that. Blocked in this thread only, after the
+    # children started, so none of them inherits the mask.
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGCHLD})
+    while not stop["signal"]:
+        # Reap everything: our own children and the orphaned sandboxes we inherit.
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            pid, status = 0, 0
+        if pid in names:
+            name = names.pop(pid)
+            code = os.waitstatus_to_exitcode(status)
+            now = time.monotonic()
+            recent = [t for t in exits.get(name, []) if now - t < RESTART_WINDOW_S] + [now]
+            exits[name] = recent
+            if restart is None or len(recent) >= RESTART_LIMIT:
+                again = f" {len(recent)} times in {RESTART_WINDOW_S:.0f} s" if restart is not None else ""
+                say(f"hangar: {name} exited with status {code}{again}; stopping everything "
+                    f"(its log: logs/{name}.log in the data dir)")  # fmt: skip
+                return 1
+            delay = RESTART_DELAYS_S[min(len(recent) - 1, len(RESTART_DELAYS_S) - 1)]
+            say(f"hangar: {name} exited with status {code}; starting it again"
+                f"{f' in {delay:.0f} s' if delay else ''} (its log: logs/{name}.log in the data dir)")  # fmt: skip
+            due[name] = now + delay
+        for name, at in list(due.items()):
+            if time.monotonic() >= at and restart is not None:
+                del due[name]
+                proc = restart(name)
+                names[proc.pid] = name
+                children[:] = [(n, proc if n == name else p) for n, p in children]
+        if pid == 0:
+            signal.sigtimedwait({signal.SIGCHLD}, 0.2)  # a signal to stop is seen within 0.2 s
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGCHLD})
+    say("hangar: stopping…")
+    return 0
+
+
+def stop_all(children: list[tuple[str, subprocess.Popen[bytes]]], timeout: float = 15.0) -> None:
+    for _, proc in children:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+    deadline = time.monotonic() + timeout
+    for _, proc in children:
+        try:
+            proc.wait(max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            pass
+    for _, proc in children:
+        # Whatever is left of each group (worker pool processes, a stuck child) goes too.
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        if proc.poll() is None:
+            proc.wait(5)

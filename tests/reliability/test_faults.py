@@ -1,0 +1,307 @@
+"""Faults, injected into a Hangar of the suite's own (tests/reliability/stack.py: the real
+`hangar up` on its own Postgres, Redis and data disk): every Hangar process SIGKILLed and
+started again, a sandbox's runtime killed from outside, the bridge killed during a streamed
+command, Redis and Postgres restarted, the data disk filled, the worker killed during a
+provision, a pause, a resume and a destroy (`hangar up` starts a dead child again). After each, the
+state converges (no sandbox left in a transitional state, no runtime left without its row) and
+clients get an answer (an error or the result), never a hang."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.reliability.stack import Stack
+from tests.support import requires_runsc
+
+pytestmark = [requires_runsc, pytest.mark.slow, pytest.mark.timeout(600)]
+
+TRANSITIONAL = ("pending", "starting", "pausing", "resuming", "stopping")
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory) -> Iterator[Stack]:
+    s = Stack(tmp_path_factory.mktemp("faults"))
+    try:
+        s.mount_data_disk()
+        s.start_postgres()
+        s.start_redis()
+        s.bootstrap()
+        s.start()
+        yield s
+    finally:
+        s.close()
+
+
+@pytest.fixture(autouse=True)
+def _clean(stack) -> Iterator[None]:
+    """Each fault starts on an empty node: the sandboxes a test made are deleted after it."""
+    yield
+    with stack.api() as api:
+        try:
+            for sb in api.get("/sandboxes", params={"limit": 1000}).json():
+                api.delete(f"/sandboxes/{sb['id']}")
+            eventually(lambda: not api.get("/sandboxes", params={"limit": 1000}).json(), 60, "all deleted")
+        except (httpx.HTTPError, AssertionError):
+            pass  # a fault left the stack unable to answer: the next test says so
+
+
+def create(api: httpx.Client, **extra) -> dict:
+    r = api.post("/sandboxes", json={"image": "busybox", "memory_mb": 128, "timeout_s": 900, **extra})
+    assert r.status_code == 201, r.text
+    return r.json()
+
+
+def exec_(api: httpx.Client, sandbox_id: str, cmd: str, timeout: float = 60) -> httpx.Response:
+    return api.post(f"/sandboxes/{sandbox_id}/exec", json={"cmd": cmd}, timeout=timeout)
+
+
+def converged(api: httpx.Client, within: float = 60) -> float:
+    """Seconds until no sandbox is in a transitional state (fails past ``within``)."""
+    started = time.monotonic()
+    while True:
+        try:
+            rows = api.get("/sandboxes", params={"limit": 1000}).json()
+            stuck = [f"{r['id']} {r['status']}" for r in rows if r["status"] in TRANSITIONAL]
+        except (httpx.HTTPError, ValueError) as exc:
+            stuck = [f"no answer: {exc}"]
+        if not stuck:
+            return time.monotonic() - started
+        assert time.monotonic() - started < within, f"still transitional after {within} s: {stuck}"
+        time.sleep(0.5)
+
+
+def eventually(fn, within: float, what: str):
+    deadline = time.monotonic() + within
+    last: object = None
+    while time.monotonic() < deadline:
+        try:
+            out = fn()
+            if out:
+                return out
+            last = out
+        except (httpx.HTTPError, AssertionError) as exc:
+            last = exc
+        time.sleep(0.5)
+    raise AssertionError(f"{what} not within {within} s: {last!r}")
+
+
+def _stream(api: httpx.Client, sandbox_id: str, cmd: str, got: list[str], ended: threading.Event) -> None:
+    try:
+        with api.stream("POST", f"/sandboxes/{sandbox_id}/exec", json={"cmd": cmd, "stream": True},
+                        timeout=httpx.Timeout(120, read=60)) as r:  # fmt: skip
+            for line in r.iter_lines():
+                got.append(line)
+    except httpx.HTTPError as exc:
+        got.append(f"client error: {type(exc).__name__}")
+    finally:
+        ended.set()
+
+
+def test_every_process_sigkilled_then_started_again(stack, report):
+    with stack.api() as api:
+        sb = create(api)
+        api.put(f"/sandboxes/{sb['id']}/files", params={"path": "/data.txt"}, content=b"kept")
+        got: list[str] = []
+        ended = threading.Event()
+        threading.Thread(
+            target=_stream, args=(api, sb["id"], "sleep 60; echo late", got, ended), daemon=True
+        ).start()
+        time.sleep(1.5)
+        killed_at = time.monotonic()
+        stack.kill_everything()
+        assert ended.wait(15), "the streaming client was left hanging"
+        client_answered_s = time.monotonic() - killed_at
+        stack.start()
+        back = eventually(
+            lambda: api.get(f"/sandboxes/{sb['id']}").json()["status"] == "running", 60, "running"
+        )
+        assert back
+        r = eventually(lambda: exec_(api, sb["id"], "cat /data.txt"), 60, "an exec after the restart")
+        assert r.status_code == 200 and r.json()["stdout"] == "kept", r.text
+        took = converged(api)
+    report.held("fault", "SIGKILL of server, worker, beat and bridge, then a start", client_answered_s=round(
+        client_answered_s, 1), sandbox="still running with its files", converged_s=round(took, 1))  # fmt: skip
+
+
+def _runtime_pids(sandbox_id: str) -> list[int]:
+    out = subprocess.run(["pgrep", "-f", sandbox_id], capture_output=True, text=True)
+    return [int(p) for p in out.stdout.split()]
+
+
+def test_a_sandbox_whose_runtime_is_killed_from_outside_fails_with_a_reason(stack, report):
+    with stack.api() as api:
+        sb = create(api)
+        pids = _runtime_pids(sb["id"])
+        assert pids, "no runtime process carries the sandbox's id"
+        started = time.monotonic()
+        subprocess.run(["kill", "-9", *map(str, pids)], check=False)
+        row = eventually(lambda: (r := api.get(f"/sandboxes/{sb['id']}").json())["status"] == "failed" and r,
+                         60, "the sandbox marked failed")  # fmt: skip
+        failed_s = time.monotonic() - started
+        assert row["status_reason"], row
+        refused = exec_(api, sb["id"], "true")
+        assert refused.status_code == 409, refused.text
+        assert api.delete(f"/sandboxes/{sb['id']}").status_code in (202, 204)
+        eventually(lambda: api.get(f"/sandboxes/{sb['id']}").json()["status"] == "deleted", 60, "deleted")
+        eventually(lambda: not _runtime_pids(sb["id"]), 30, "no process left")
+        assert sb["id"] not in Path("/proc/self/mountinfo").read_text()
+    report.held("fault", "a sandbox's runtime SIGKILLed from outside", marked_failed_s=round(failed_s, 1),
+                reason=row["status_reason"][:60])  # fmt: skip
+
+
+def test_the_bridge_killed_during_a_streamed_command(stack, report):
+    with stack.api() as api:
+        sb = create(api)
+        got: list[str] = []
+        ended = threading.Event()
+        script = "i=0; while [ $i -lt 200 ]; do echo line-$i; i=$((i+1)); sleep 0.1; done"
+        threading.Thread(target=_stream, args=(api, sb["id"], script, got, ended), daemon=True).start()
+        eventually(lambda: any("line-5" in g for g in got), 30, "output flowing")
+        killed_at = time.monotonic()
+        old = stack.child("bridge")
+        stack.kill("bridge")
+        assert ended.wait(30), "the streaming client was left hanging after the bridge died"
+        answered_s = time.monotonic() - killed_at
+        last = got[-1]
+        stack.restarted("bridge", old)  # by hangar up
+        r = eventually(lambda: exec_(api, sb["id"], "echo after"), 60, "an exec once the bridge is back")
+        assert r.status_code == 200 and r.json()["stdout"] == "after\n"
+        again: list[str] = []
+        done = threading.Event()
+        _stream(api, sb["id"], "echo streamed-again", again, done)
+        assert any("streamed-again" in line for line in again), again
+        took = converged(api)
+    report.held("fault", "the bridge SIGKILLed during a streamed command", client_answered_s=round(answered_s, 1),
+                last_event=last[:60], converged_s=round(took, 1))  # fmt: skip
+
+
+@pytest.mark.parametrize("service", ["redis", "postgres"])
+def test_a_restart_of_the_services_underneath(stack, service, report):
+    with stack.api() as api:
+        sb = create(api)
+        stack.kill(service)
+        started = time.monotonic()
+        try:
+            during = api.get("/sandboxes", timeout=30).status_code
+        except httpx.HTTPError as exc:
+            during = type(exc).__name__
+        answered_s = time.monotonic() - started
+        assert answered_s < 30, "a request hung while the service was down"
+        stack.restart(service)
+        back_at = time.monotonic()
+        r = eventually(lambda: exec_(api, sb["id"], "echo back"), 60, f"an exec after {service} came back")
+        assert r.json()["stdout"] == "back\n", r.text
+        recovered_s = time.monotonic() - back_at
+        got: list[str] = []
+        _stream(api, sb["id"], "echo streamed", got, threading.Event())
+        assert any("streamed" in line for line in got), got
+        assert create(api)["status"] == "running"
+        took = converged(api)
+        assert stack.procs["up"].poll() is None, "hangar up stopped:\n" + stack.log("up")
+    report.held("fault", f"{service} restarted", answer_while_down=during, answered_s=round(answered_s, 1),
+                recovered_s=round(recovered_s, 1), converged_s=round(took, 1))  # fmt: skip
+
+
+def test_a_full_data_disk(stack, report):
+    with stack.api() as api:
+        sb = create(api)
+        filler = stack.data / "filler"
+        subprocess.run(["dd", "if=/dev/zero", f"of={filler}", "bs=1M", "count=100000"], capture_output=True)
+        try:
+            started = time.monotonic()
+            r = api.post("/sandboxes", json={"image": "busybox", "memory_mb": 128}, timeout=120)
+            answered_s = time.monotonic() - started
+            if r.status_code == 201:  # placed before the node reported its disk: an outcome, with its reason
+                row = r.json()
+                outcome = row["status"]
+                assert outcome == "running" or (outcome == "failed" and row["status_reason"]), row
+            else:  # refused up front, saying why
+                outcome = r.status_code
+                assert r.status_code in (503, 507) and "disk" in r.json()["detail"], r.text
+            running = exec_(api, sb["id"], "echo still")
+            assert running.status_code == 200 and running.json()["stdout"] == "still\n"
+        finally:
+            filler.unlink(missing_ok=True)
+        # The node reports its free space every tick; a create fits again once it has.
+        freed_at = time.monotonic()
+        again = eventually(lambda: (r := api.post("/sandboxes", json={"image": "busybox", "memory_mb": 128}))
+                           .status_code == 201 and r.json(), 30, "a create once the disk has room")  # fmt: skip
+        assert again["status"] == "running", again
+        room_again_s = time.monotonic() - freed_at
+        took = converged(api)
+    report.held("fault", "the data disk filled", create_answer=outcome, answered_s=round(answered_s, 1),
+                room_again_s=round(room_again_s, 1), converged_s=round(took, 1))  # fmt: skip
+
+
+# The worker is killed just after the request that gives it the work, then started again;
+# (operation, the request, the state it must reach, the exec that proves it).
+WORKER_FAULTS = {
+    "provision": ("running", "echo up"),
+    "pause": ("paused", None),
+    "resume": ("running", "cat /kept.txt"),
+    "destroy": ("deleted", None),
+}
+
+
+@pytest.mark.parametrize("operation", list(WORKER_FAULTS))
+def test_the_worker_killed_during_an_operation(stack, operation, report):
+    settled, proof = WORKER_FAULTS[operation]
+    with stack.api() as api:
+        if operation == "provision":
+            r = api.post("/sandboxes", json={"image": "busybox", "memory_mb": 128, "wait": False})
+            assert r.status_code in (201, 202), r.text
+            sid = r.json()["id"]
+        else:
+            sid = create(api)["id"]
+            api.put(f"/sandboxes/{sid}/files", params={"path": "/kept.txt"}, content=b"kept")
+            if operation == "resume":
+                r = api.post(f"/sandboxes/{sid}/pause", json={"mode": "stop"})
+                assert r.status_code == 200 and r.json()["status"] == "paused", r.text
+                r = api.post(f"/sandboxes/{sid}/resume", json={"wait": False})
+            elif operation == "pause":
+                r = api.post(f"/sandboxes/{sid}/pause", json={"mode": "stop", "wait": False})
+            else:
+                r = api.delete(f"/sandboxes/{sid}")
+            assert r.status_code < 300, r.text
+        old = stack.child("worker")
+        stack.kill("worker")
+        killed_in = api.get(f"/sandboxes/{sid}").json()["status"]
+        stack.restarted("worker", old)  # by hangar up
+        started = time.monotonic()
+        final = eventually(
+            lambda: (s := api.get(f"/sandboxes/{sid}").json()["status"]) not in TRANSITIONAL and s,
+            90, f"the sandbox out of its transitional state after the worker died during {operation}",
+        )  # fmt: skip
+        took = time.monotonic() - started
+        assert final == settled, f"{operation}: ended {final}, not {settled}"
+        if proof:
+            r = exec_(api, sid, proof)
+            assert r.status_code == 200 and r.json()["exit_code"] == 0, r.text
+    report.held("fault", f"the worker SIGKILLed during {operation}", killed_in=killed_in, final_status=final,
+                converged_s=round(took, 1))  # fmt: skip
+
+
+def test_nothing_is_left_without_its_row(stack):
+    """After every fault above: each runtime sandbox of this node has a live row."""
+    with stack.api() as api:
+        rows = {r["id"]: r["status"] for r in api.get("/sandboxes", params={"limit": 1000}).json()}
+        rows.update(
+            {r["id"]: r["status"] for r in api.get("/sandboxes", params={"status": "deleted"}).json()}
+        )
+    roots = [p for p in stack.data.glob("*/runsc-root")] + [p for p in stack.data.glob("*/*/runsc-root")]
+    assert roots, f"no runsc state under {stack.data}"
+    for root in roots:
+        out = subprocess.run(
+            ["runsc", "--root", str(root), "list", "--format=json"], capture_output=True, text=True
+        )
+        listed = (json.loads(out.stdout or "[]") or []) if out.returncode == 0 else []
+        orphans = [c["id"] for c in listed if rows.get(c["id"]) not in ("running", "paused")]
+        assert not orphans, orphans
