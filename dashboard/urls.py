@@ -61,3 +61,6 @@ urlpatterns = [
     path("invite/<str:code>/", team_views.invitation, name="invitation"),
     path("", views.overview, name="overview"),
 ]
+
+# A service underneath away (the database, Redis) is a 503 that says so, not a bare 500.
+handler500 = "dashboard.unavailable.server_error"

@@ -407,7 +407,7 @@ class Bridge:
             offset = lp.ring.end
         lp.viewers[reply] = Viewer(flow=bool(msg.get("flow")), acked=max(offset, lp.ring.start))
         lp.post(reply, {"type": streams.SYNCED, "key": lp.key, "start": max(lp.ring.start, offset),
-                        "end": lp.ring.end, "exit": lp.exit})  # fmt: skip
+                        "end": lp.ring.end, "exit": lp.exit, "bridge": self.instance})  # fmt: skip
         # The replay goes through the same ordered sender (which merges it into large messages),
         # so live chunks queued after it cannot overtake it.
         for off, stream, data in lp.ring.since(offset):

@@ -581,6 +581,8 @@ class ProcessFollow:
                         await self._attach(follower.want)
                     continue
                 quiet_since = time.monotonic()
+                if msg.get("type") == streams.SYNCED and msg.get("bridge"):
+                    bridge.instance = msg["bridge"]  # the one holding the process: its restart ends it
                 for event in follower.feed(msg):
                     if event[0] == "resync":
                         await self._attach(event[1])
@@ -614,16 +616,17 @@ class _BridgeWatch:
 
     def __init__(self, node_name: str | None) -> None:
         self.node_name = node_name
-        self.instance: bytes | None = None
+        self.instance: str | None = None
         self.missing = 0
 
     async def gone(self) -> str | None:
         if not self.node_name:
             return None
         try:
-            now = await asyncio.to_thread(_redis().get, streams.bridge_alive_key(self.node_name))
+            raw = await asyncio.to_thread(_redis().get, streams.bridge_alive_key(self.node_name))
         except Exception:  # Redis unreachable: no word either way
             return None
+        now = raw.decode() if isinstance(raw, bytes) else raw
         if now is None:
             self.missing += 1
             if self.missing >= 2:
