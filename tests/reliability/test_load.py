@@ -213,6 +213,7 @@ def _run(
         )
         assert len(echoes) == TERMINALS and all(echoes)
         echo_s = sorted(t for e in echoes for t in e)
+        print(f"round {round_}, each terminal's commands (s):", [[round(t, 2) for t in e] for e in echoes])
         time.sleep(2)  # let the last answers' buffers go before reading the processes' memory
         after.append({name: rss_bytes(pid) for name, pid in processes.items()})
         report.held(
