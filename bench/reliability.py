@@ -1,12 +1,14 @@
 """The reliability suites (tests/reliability/) run as a report: every attack tried and held,
-every bad input answered, the authorization cells checked, with their figures (a neighbour's
-exec latency during each bomb, schemathesis's operations, the sweep's statuses). Prints the
-Markdown summary and writes one JSON (default bench/results/reliability.json) and the Markdown
-beside it. Needs root and runsc, as the suites do.
+every bad input answered, the authorization cells checked, the load carried, with their figures
+(a neighbour's exec latency during each bomb, schemathesis's operations, the sweep's statuses,
+the load's latency percentiles per endpoint and the Hangar processes' memory over two rounds).
+Prints the Markdown summary and writes one JSON (default bench/results/reliability.json) and the
+Markdown beside it. Needs root and runsc, as the suites do; the load suite needs locust (the
+test extra).
 
     python bench/reliability.py                  # every suite
     python bench/reliability.py escape bad_input # some of them
-    python bench/reliability.py --quick          # without the slow cases (bombs, schemathesis)
+    python bench/reliability.py --quick          # without the slow cases (bombs, schemathesis, load)
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from pathlib import Path
 
 from _common import ROOT, write_results
 
-SUITES = ("escape", "authorization", "bad_input")
+SUITES = ("escape", "authorization", "bad_input", "load")
 
 
 def main() -> int:
