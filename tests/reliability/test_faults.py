@@ -183,6 +183,54 @@ def test_the_bridge_killed_during_a_streamed_command(stack, report):
                 last_event=last[:60], converged_s=round(took, 1))  # fmt: skip
 
 
+def _terminal_echo(stack: Stack, api: httpx.Client, sandbox_id: str, name: str):
+    """A terminal of the sandbox, attached over its websocket, that has echoed a command."""
+    from websockets.sync.client import connect
+
+    r = api.post(f"/sandboxes/{sandbox_id}/terminals", json={"name": name})
+    assert r.status_code in (200, 201), r.text
+    ws = connect(stack.url.replace("http://", "ws://") + r.json()["websocket"],
+                 additional_headers={"Authorization": f"Bearer {stack.token}"}, open_timeout=30)  # fmt: skip
+    ws.send(b"echo ready-$((6 * 7))\n")
+    seen = b""
+    deadline = time.monotonic() + 30
+    while b"ready-42" not in seen:
+        msg = ws.recv(timeout=max(0.01, deadline - time.monotonic()))
+        seen += msg if isinstance(msg, bytes) else msg.encode()
+    return ws
+
+
+def test_the_bridge_killed_under_a_terminal(stack, report):
+    from websockets.exceptions import ConnectionClosed
+
+    with stack.api() as api:
+        sb = create(api)
+        ws = _terminal_echo(stack, api, sb["id"], "before")
+        old = stack.child("bridge")
+        stack.kill("bridge")
+        killed_at = time.monotonic()
+        last = ""
+        try:  # the terminal's end is said (an exit frame) and the socket closes; nothing hangs
+            while time.monotonic() - killed_at < 15:
+                msg = ws.recv(timeout=max(0.01, killed_at + 15 - time.monotonic()))
+                if isinstance(msg, str):
+                    last = msg
+        except ConnectionClosed:
+            pass
+        except TimeoutError:
+            pytest.fail("the terminal's socket was left open and silent after its bridge died")
+        answered_s = time.monotonic() - killed_at
+        assert answered_s < 15 and '"exit"' in last, (answered_s, last)
+        ws.close()
+        stack.restarted("bridge", old)
+        eventually(
+            lambda: _terminal_echo(stack, api, sb["id"], "after").close() or True, 60, "a new terminal"
+        )
+        took = converged(api)
+    report.held("fault", "the bridge SIGKILLed under a terminal", client_answered_s=round(answered_s, 1),
+                last_frame=last[:60], converged_s=round(took, 1))  # fmt: skip
+
+
 def service_name(service: str) -> str:
     return {"redis": "Redis", "postgres": "the database"}[service]
 
