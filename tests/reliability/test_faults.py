@@ -8,6 +8,7 @@ clients get an answer (an error or the result), never a hang."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import subprocess
 import threading
@@ -107,8 +108,12 @@ def _stream(api: httpx.Client, sandbox_id: str, cmd: str, got: list[str], ended:
 
 def test_every_process_sigkilled_then_started_again(stack, report):
     with stack.api() as api:
-        sb = create(api)
+        r = api.post("/volumes", json={"name": f"v-{stack.tag}", "size_mb": 32})
+        assert r.status_code == 201, r.text
+        sb = create(api, volumes=[{"volume": f"v-{stack.tag}", "mount_path": "/vol"}],
+                    network={"egress": "all"})  # fmt: skip
         api.put(f"/sandboxes/{sb['id']}/files", params={"path": "/data.txt"}, content=b"kept")
+        api.put(f"/sandboxes/{sb['id']}/files", params={"path": "/vol/data.txt"}, content=b"on the volume")
         got: list[str] = []
         ended = threading.Event()
         threading.Thread(
@@ -126,6 +131,12 @@ def test_every_process_sigkilled_then_started_again(stack, report):
         assert back
         r = eventually(lambda: exec_(api, sb["id"], "cat /data.txt"), 60, "an exec after the restart")
         assert r.status_code == 200 and r.json()["stdout"] == "kept", r.text
+        assert exec_(api, sb["id"], "cat /vol/data.txt").json()["stdout"] == "on the volume"
+        assert api.delete(f"/sandboxes/{sb['id']}").status_code in (202, 204)
+        eventually(lambda: api.get(f"/sandboxes/{sb['id']}").json()["status"] == "deleted", 60, "deleted")
+        # The volume's data outlives its sandbox, the kill and the restart.
+        again = create(api, volumes=[{"volume": f"v-{stack.tag}", "mount_path": "/again"}])
+        assert exec_(api, again["id"], "cat /again/data.txt").json()["stdout"] == "on the volume"
         took = converged(api)
     report.held("fault", "SIGKILL of server, worker, beat and bridge, then a start", client_answered_s=round(
         client_answered_s, 1), sandbox="still running with its files", converged_s=round(took, 1))  # fmt: skip
@@ -346,19 +357,52 @@ def test_the_worker_killed_during_an_operation(stack, operation, report):
                 converged_s=round(took, 1))  # fmt: skip
 
 
-def test_nothing_is_left_without_its_row(stack):
-    """After every fault above: each runtime sandbox of this node has a live row."""
+def _host_resources() -> dict[str, str]:
+    """Everything on the host a sandbox's id (or its veth's digest) can show up in."""
+
+    def run(*argv: str) -> str:
+        return subprocess.run(argv, capture_output=True, text=True, timeout=60).stdout
+
+    loops = "\n".join(
+        p.read_text(errors="replace") for p in Path("/sys/block").glob("loop*/loop/backing_file") if p.exists()
+    )  # fmt: skip
+    cgroups = "\n".join(str(p) for p in Path("/sys/fs/cgroup").glob("**/sb*") if p.is_dir())
+    return {
+        "processes": run("ps", "-eo", "args"),
+        "mounts": Path("/proc/self/mountinfo").read_text(),
+        "loop devices": loops,
+        "network namespaces": run("ip", "netns", "list"),
+        "interfaces": run("ip", "-o", "link"),
+        "nftables": run("nft", "list", "ruleset"),
+        "cgroups": cgroups,
+    }
+
+
+def test_nothing_is_left_without_its_row_and_no_row_without_its_resources(stack):
+    """After every fault above: no process, mount, loop device, network namespace, veth,
+    nftables rule or cgroup of a sandbox whose row is not live; and each live row's sandbox is
+    in runsc's list."""
     with stack.api() as api:
         rows = {r["id"]: r["status"] for r in api.get("/sandboxes", params={"limit": 1000}).json()}
-        rows.update(
-            {r["id"]: r["status"] for r in api.get("/sandboxes", params={"status": "deleted"}).json()}
-        )
+        gone = [r["id"] for r in api.get("/sandboxes", params={"status": "deleted", "limit": 1000}).json()]
+    assert len(gone) >= 10, f"the faults above left only {len(gone)} deleted sandboxes to check"
+    host = _host_resources()
+    leftovers = []
+    for sandbox_id in gone:
+        digest = hashlib.sha1(sandbox_id.encode()).hexdigest()[:8]
+        for kind, text in host.items():
+            if sandbox_id in text or (kind in ("interfaces", "nftables") and digest in text):
+                leftovers.append(f"{sandbox_id} in {kind}")
+    assert not leftovers, leftovers
     roots = [p for p in stack.data.glob("*/runsc-root")] + [p for p in stack.data.glob("*/*/runsc-root")]
     assert roots, f"no runsc state under {stack.data}"
+    listed: set[str] = set()
     for root in roots:
         out = subprocess.run(
             ["runsc", "--root", str(root), "list", "--format=json"], capture_output=True, text=True
         )
-        listed = (json.loads(out.stdout or "[]") or []) if out.returncode == 0 else []
-        orphans = [c["id"] for c in listed if rows.get(c["id"]) not in ("running", "paused")]
-        assert not orphans, orphans
+        listed |= {c["id"] for c in ((json.loads(out.stdout or "[]") or []) if out.returncode == 0 else [])}
+    orphans = [i for i in listed if rows.get(i) not in ("running", "paused")]
+    assert not orphans, orphans
+    missing = [i for i, status in rows.items() if status == "running" and i not in listed]
+    assert not missing, missing
