@@ -17,6 +17,7 @@ install: system-deps venv
 system-deps:
 	@scripts/install-system-deps.sh
 	@scripts/install-runsc.sh
+	@scripts/install-microvm.sh
 
 venv: $(VENV)/.installed
 
