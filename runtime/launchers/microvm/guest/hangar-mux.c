@@ -831,7 +831,7 @@ static int init_main(void)
         die("no /dev/vda (the image's disk)");
     must_mount("/dev/vda", "/lower", "ext4", MS_RDONLY, "noload");
     if (wait_path("/dev/vdb", 2000) == 0) {
-        must_mount("/dev/vdb", "/disk", "ext4", MS_NOATIME, NULL);
+        must_mount("/dev/vdb", "/disk", "ext4", MS_NOATIME, "noinit_itable"); /* no zeroing in the background */
     } else {
         must_mount("tmpfs", "/disk", "tmpfs", 0, "mode=0755");
     }
@@ -877,17 +877,24 @@ static int init_main(void)
             sethostname(f + 9, strlen(f + 9));
     }
     envp[k] = NULL;
+    const char *cwd = "/";
+    for (size_t i = 0; i < clen; i += strlen(cfg + i) + 1)
+        if (strncmp(cfg + i, "cwd=", 4) == 0)
+            cwd = cfg + i + 4;
     g_agent_path = "/.hangar/run/agent.sock";
     setup_signals();
 
     /* The agent is PID 1 of a PID namespace of its own, with its own /proc: the sandbox sees
      * its processes only, never this one (which it could otherwise kill) or kernel threads. */
-    if (unshare(CLONE_NEWPID | CLONE_NEWNS) < 0)
+    if (unshare(CLONE_NEWPID) < 0)
         die("unshare");
     pid_t pid = fork();
     if (pid < 0)
         die("fork");
     if (pid == 0) {
+        /* Its own mount namespace, for a /proc of its PID namespace: this one keeps the VM's. */
+        if (unshare(CLONE_NEWNS) < 0)
+            _exit(125);
         mount(NULL, "/", NULL, MS_REC | MS_PRIVATE, NULL);
         umount2("/proc", MNT_DETACH);
         must_mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, NULL);
@@ -898,6 +905,8 @@ static int init_main(void)
             dup2(null, 2);
         }
         close(g_link);
+        if (chdir(cwd) < 0 && chdir("/") < 0)
+            _exit(126);
         char *argv[] = {(char *)"/.hangar/agent", NULL};
         execve(argv[0], argv, envp);
         _exit(127);
