@@ -170,17 +170,17 @@ class MicroVMLauncher(AgentBackedLauncher):
                               "cpu": spec.cpu, "vcpus": max(1, math.ceil(spec.cpu)), "accel": accel}  # fmt: skip
             argv = self._qemu_argv(spec, handle, kern, initrd, root, disk)
             try:
-                qemu = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                        stderr=open(d / "qemu.log", "wb"), start_new_session=True, cwd=d)  # fmt: skip
+                with open(d / "qemu.log", "wb") as qemu_log:
+                    qemu = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                            stderr=qemu_log, start_new_session=True, cwd=d)  # fmt: skip
             except OSError as exc:
                 raise LauncherError(f"cannot start QEMU ({self.qemu}): {exc}") from exc
             handle["qemu_pid"] = qemu.pid
-            mux = subprocess.Popen(
-                [str(boot.mux_binary(self.boot_dir)), "host", "--vm", str(d / "vm.sock"),
-                 "--listen", str(d / "agent.sock"), "--config", str(d / "config")],
-                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=open(d / "mux.log", "wb"),
-                start_new_session=True,
-            )  # fmt: skip
+            mux_argv = [str(boot.mux_binary(self.boot_dir)), "host", "--vm", str(d / "vm.sock"),
+                        "--listen", str(d / "agent.sock"), "--config", str(d / "config")]  # fmt: skip
+            with open(d / "mux.log", "wb") as mux_log:
+                mux = subprocess.Popen(mux_argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                       stderr=mux_log, start_new_session=True)  # fmt: skip
             handle["mux_pid"] = mux.pid
             (d / "handle.json").write_text(json.dumps(handle))
             try:
