@@ -34,7 +34,9 @@ MEMO_DIR = Path("/var/cache/hangar/microvm")  # where install-microvm.sh keeps t
 TCG_ARGS = "clocksource=jiffies tsc=unstable lpj=1000000 no_timer_check"
 # console on the first serial port, at emergency level only (every console byte is an emulated
 # I/O exit); a panic (an out-of-memory one included) ends QEMU at once (-no-reboot).
-KERNEL_ARGS = "console=ttyS0 loglevel=1 panic=-1 reboot=t rdinit=/init pci=off i8042.noaux i8042.nokbd"
+KERNEL_ARGS = (
+    "console=ttyS0 loglevel=1 panic=-1 reboot=t rdinit=/init pci=off edd=off i8042.noaux i8042.nokbd"
+)
 
 
 @dataclass(frozen=True)

@@ -856,6 +856,9 @@ static int init_main(void)
     loopback_up();
     /* Out of memory, the sandbox stops (as it does in gVisor), saying so on the console. */
     write_text("/proc/sys/vm/panic_on_oom", "1");
+    /* Allocations succeed and the pages count when touched, as in gVisor under its cgroup: a
+     * command asking for more than the VM has meets the limit, not a refused malloc. */
+    write_text("/proc/sys/vm/overcommit_memory", "1");
 
     g_link = open_port();
     if (g_link < 0)
