@@ -61,13 +61,13 @@ def kernel(kernel_dir: str | os.PathLike[str] = "") -> Kernel:
     return Kernel(d, vmlinuz, version, tuple(d / "modules" / n for n in names))
 
 
-def missing() -> str | None:
+def missing(kernel_dir: str = "", qemu: str = "") -> str | None:
     """What this node lacks to run microVMs (None: nothing)."""
-    for tool in (QEMU, "mkfs.ext4"):
+    for tool in (qemu or QEMU, "mkfs.ext4"):
         if shutil.which(tool) is None:
             return f"{tool} is not installed: {INSTALL_HINT}"
     try:
-        kernel()
+        kernel(kernel_dir)
     except LauncherError as exc:
         return str(exc)
     return None

@@ -16,6 +16,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from ...host import hostnames
 from ...host.locks import file_lock
 from ..agent.client import AgentClient
 from ..agent.launcher import AgentBackedLauncher
@@ -32,7 +33,7 @@ from ..base import (
     SandboxSpec,
     Stats,
 )
-from . import boot
+from . import boot, cgroups
 
 log = logging.getLogger(__name__)
 
@@ -103,11 +104,13 @@ class MicroVMLauncher(AgentBackedLauncher):
         self.default_disk_mb = disk_mb or 10240
         self.sandboxes_dir = self.state_dir / "sandboxes"
         self.boot_dir = self.state_dir / "boot"
+        # Host-global names carry the node's id (the node's own, else one kept in this state dir).
+        self.cgroup_parent = hostnames.HostNames(node_id or hostnames.node_id(self.state_dir)).cgroup_parent
         self._accel: str | None = None
 
     @classmethod
     def probe(cls, config: Mapping[str, Any]) -> str | None:
-        return boot.missing()
+        return boot.missing(str(config.get("kernel_dir") or ""), str(config.get("qemu") or ""))
 
     def accel(self) -> str:
         """``kvm`` where the node's KVM runs the guest kernel (a short boot tells, once), else ``tcg``."""
@@ -197,6 +200,8 @@ class MicroVMLauncher(AgentBackedLauncher):
         except OSError as exc:
             raise LauncherError(f"cannot start QEMU ({self.qemu}): {exc}") from exc
         handle["qemu_pid"] = qemu.pid
+        # The fraction of a CPU: its vCPUs (rounded up) together get no more than it asked for.
+        cgroups.limit_cpu(self.cgroup_parent, handle["id"], qemu.pid, float(handle["cpu"]))
         mux_argv = [str(boot.mux_binary(self.boot_dir)), "host", "--vm", str(d / "vm.sock"),
                     "--listen", str(d / "agent.sock"), "--config", str(d / "config")]  # fmt: skip
         with open(d / "mux.log", "wb") as mux_log:
@@ -267,6 +272,7 @@ class MicroVMLauncher(AgentBackedLauncher):
                 time.sleep(0.02)
         _kill(int(handle.get("qemu_pid", 0)), f"hangar-{sandbox_id}")
         _kill(mux_pid, sandbox_id)
+        cgroups.remove(self.cgroup_parent, sandbox_id)
         d = self._dir(sandbox_id)
         for name in ("handle.json", "agent.sock", "vm.sock"):
             (d / name).unlink(missing_ok=True)

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from runtime.launchers.base import ExecRequest, LauncherError, Mount, SandboxSpec
-from runtime.launchers.microvm import boot
+from runtime.launchers.microvm import boot, cgroups
 from runtime.launchers.microvm.launcher import MicroVMLauncher
 from tests.launchers.helpers import make_launcher, remove_all
 
@@ -71,6 +71,11 @@ def test_vcpus_and_memory_are_what_was_asked(launcher, vm):
     mem_kb = int(sh(launcher, vm, "grep MemTotal /proc/meminfo").split()[1])
     # The guest's RAM is the request, less what the kernel keeps for itself.
     assert 140 * 1024 < mem_kb <= 192 * 1024, mem_kb
+
+
+def test_a_fractional_cpu_is_a_quota_on_qemu_s_vcpus(launcher, vm):
+    assert cgroups.quota(launcher.cgroup_parent, vm["id"]) == 1.5
+    assert vm["qemu_pid"] in cgroups.pids(launcher.cgroup_parent, vm["id"])
 
 
 def test_the_sandbox_sees_only_its_own_processes(launcher, vm):
@@ -133,6 +138,7 @@ def test_suspend_keeps_the_disk_and_destroy_leaves_nothing(launcher, busybox):
     launcher.destroy(handle)
     launcher.destroy(handle)  # twice is harmless
     assert not Path(f"/proc/{qemu_pid}").exists() and not Path(f"/proc/{mux_pid}").exists()
+    assert not cgroups.cgroup_dir(launcher.cgroup_parent, s.id).exists()
     assert not (launcher.sandboxes_dir / s.id).exists()
     assert s.id not in launcher.states()
 
