@@ -70,3 +70,37 @@ def test_a_microvm_sandbox_asking_for_a_network_is_a_clear_422(api):
     assert r.status_code == 422 and "the microvm runtime gives sandboxes no network" in r.json()["detail"], (
         r.text
     )
+
+
+def test_a_terminal_in_a_microvm_sandbox_over_the_websocket(api, team_token):
+    """The terminal path (websocket, channel layer, the node's bridge, a PTY through the agent)
+    takes the one road to the microVM with no change above the launcher."""
+    import asyncio
+
+    from channels.layers import channel_layers
+
+    from tests.test_consumers import communicator, read_until
+
+    sid = create(api, runtime="microvm")["id"]
+    try:
+        term = api.post(f"/sandboxes/{sid}/terminals", json={"env": {"PS1": "READY$ "}}).json()
+
+        async def main() -> None:
+            comm = communicator(term["websocket"], team_token)
+            assert (await comm.connect())[0]
+            await read_until(comm, b"READY$ ", timeout=30)
+            await comm.send_to(bytes_data=b"uname -r; echo $((6*7))\n")
+            out = await read_until(comm, b"\r\n42\r\n", timeout=30)
+            assert boot.kernel().version.encode() in out
+            await comm.send_to(text_data='{"type": "resize", "rows": 33, "cols": 101}')
+            await comm.send_to(bytes_data=b"stty size\n")
+            await read_until(comm, b"33 101", timeout=30)
+            await comm.disconnect()
+
+        channel_layers.backends.clear()  # a layer bound to this test's own event loop
+        try:
+            asyncio.run(main())
+        finally:
+            channel_layers.backends.clear()
+    finally:
+        api.delete(f"/sandboxes/{sid}")

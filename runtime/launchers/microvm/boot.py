@@ -203,7 +203,7 @@ def kvm_works(
     if not os.access("/dev/kvm", os.R_OK | os.W_OK):
         return False
     qemu = shutil.which(QEMU) or QEMU
-    key = _digest(kern.version.encode(), str(os.stat(qemu).st_mtime_ns).encode())
+    key = _digest(kern.version.encode(), str(os.stat(qemu).st_mtime_ns).encode(), initrd.name.encode())
     if memo_dir is None:
         memo_dir = MEMO_DIR if os.access(MEMO_DIR.parent, os.W_OK) else cache_dir
     memo = memo_dir / f"kvm-{key}"

@@ -50,10 +50,10 @@ def quota(parent: str, sandbox_id: str) -> float | None:
     d = cgroup_dir(parent, sandbox_id)
     try:
         if _unified():
-            q, period = (d / "cpu.max").read_text().split()
-            return None if q == "max" else int(q) / int(period)
-        q = int((d / "cpu.cfs_quota_us").read_text())
-        return None if q < 0 else q / int((d / "cpu.cfs_period_us").read_text())
+            limit, period = (d / "cpu.max").read_text().split()
+            return None if limit == "max" else int(limit) / int(period)
+        quota_us = int((d / "cpu.cfs_quota_us").read_text())
+        return None if quota_us < 0 else quota_us / int((d / "cpu.cfs_period_us").read_text())
     except (OSError, ValueError):
         return None
 

@@ -824,6 +824,7 @@ static int init_main(void)
         dup2(con, 1);
         dup2(con, 2);
     }
+    logmsg("init"); /* the KVM probe (boot.py) waits for this line: the guest kernel ran /init */
     must_mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, NULL);
     must_mount("sysfs", "/sys", "sysfs", MS_NOSUID | MS_NODEV | MS_NOEXEC, NULL);
     load_modules();
