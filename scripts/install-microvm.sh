@@ -18,10 +18,13 @@ command -v depmod >/dev/null 2>&1 || need+=(kmod)  # depmod: what each guest mod
 if [ -s "$dest/vmlinuz" ] && [ -s "$dest/modules.list" ] && command -v qemu-system-x86_64 >/dev/null && command -v qemu-img >/dev/null; then exit 0; fi
 if [ "$(id -u)" != 0 ]; then echo "installing QEMU and the microVM kernel into $dest needs root" >&2; exit 1; fi
 export DEBIAN_FRONTEND=noninteractive
+# Not fatal: without QEMU or the kernel the node leaves the microvm runtime out (and says why).
+give_up() { echo "warning: $1; the microvm runtime stays off on this node" >&2; exit 0; }
 if [ ${#need[@]} -gt 0 ]; then
   echo "installing: ${need[*]}"
-  apt-get install -y -qq --no-install-recommends "${need[@]}" >/dev/null || {
-    apt-get update -qq && apt-get install -y -qq --no-install-recommends "${need[@]}" >/dev/null; }
+  apt-get install -y -qq --no-install-recommends "${need[@]}" >/dev/null 2>&1 || {
+    apt-get update -qq && apt-get install -y -qq --no-install-recommends "${need[@]}" >/dev/null; } ||
+    give_up "could not install ${need[*]}"
 fi
 [ -s "$dest/vmlinuz" ] && [ -s "$dest/modules.list" ] && exit 0
 work=/var/cache/hangar/microvm  # the .deb stays here: a rerun unpacks it again without fetching
@@ -32,12 +35,13 @@ echo "fetching the microVM guest kernel (linux-image-cloud-amd64)"
 # The meta package names the versioned image package; download that one.
 pkg=$(apt-cache depends linux-image-cloud-amd64 2>/dev/null | sed -n 's/^ *Depends: \(linux-image-[0-9][^ ]*\)$/\1/p' | head -1)
 if [ -z "$pkg" ]; then
-  apt-get update -qq
+  apt-get update -qq || true
   pkg=$(apt-cache depends linux-image-cloud-amd64 | sed -n 's/^ *Depends: \(linux-image-[0-9][^ ]*\)$/\1/p' | head -1)
 fi
-[ -n "$pkg" ] || { echo "cannot find the package linux-image-cloud-amd64 depends on" >&2; exit 1; }
+[ -n "$pkg" ] || give_up "cannot find the package linux-image-cloud-amd64 depends on"
 [ -n "$(ls "$work"/"$pkg"_*.deb 2>/dev/null)" ] ||
-  (cd "$work" && apt-get download -q -o APT::Sandbox::User=root "$pkg" >/dev/null)
+  (cd "$work" && apt-get download -q -o APT::Sandbox::User=root "$pkg" >/dev/null) ||
+  give_up "could not fetch $pkg"
 dpkg-deb -x "$(ls "$work"/"$pkg"_*.deb | tail -1)" "$work/x"
 kver=$(basename "$(ls -d "$work"/x/lib/modules/*)")
 mods="$work/x/lib/modules/$kver"
