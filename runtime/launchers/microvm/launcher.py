@@ -58,22 +58,34 @@ def _pid_alive(pid: int, marker: str) -> bool:
     return state != b"Z" and marker.encode() in cmdline
 
 
-def _reap(pid: int) -> None:
-    with contextlib.suppress(ChildProcessError):
-        os.waitpid(pid, os.WNOHANG)  # ours when this process started it: no zombie left
+def _reap(pid: int, timeout: float = 0.0) -> None:
+    """Collect ``pid``'s exit where this process started it (no zombie left), waiting up to
+    ``timeout`` for a killed process to finish exiting; another's child returns at once."""
+    if pid <= 0:
+        return  # waitpid(0) would take any child of this process's group
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            if os.waitpid(pid, os.WNOHANG)[0] == pid:
+                return
+        except ChildProcessError:
+            return
+        if time.monotonic() >= deadline:
+            return
+        time.sleep(0.01)
 
 
 def _kill(pid: int, marker: str, timeout: float = 5.0) -> None:
     if not _pid_alive(pid, marker):
-        _reap(pid)
+        _reap(pid, 1.0)  # our child, exiting on its own (its cmdline empties first): collected
         return
     with contextlib.suppress(ProcessLookupError):
         os.kill(pid, signal.SIGKILL)
     deadline = time.monotonic() + timeout
     while _pid_alive(pid, marker) and time.monotonic() < deadline:
-        _reap(pid)
         time.sleep(0.01)
-    _reap(pid)
+    # Its command line empties while it is still exiting: wait for the exit itself.
+    _reap(pid, max(0.0, deadline - time.monotonic()))
 
 
 class MicroVMLauncher(AgentBackedLauncher):
@@ -268,7 +280,6 @@ class MicroVMLauncher(AgentBackedLauncher):
                 os.kill(mux_pid, signal.SIGUSR1)  # the guest syncs, says bye, and the mux exits
             deadline = time.monotonic() + 5.0
             while _pid_alive(mux_pid, sandbox_id) and time.monotonic() < deadline:
-                _reap(mux_pid)
                 time.sleep(0.02)
         _kill(int(handle.get("qemu_pid", 0)), f"hangar-{sandbox_id}")
         _kill(mux_pid, sandbox_id)
