@@ -15,8 +15,9 @@ from runtime.launchers.registry import launcher_class, launcher_names, new_launc
 
 
 def usable_launchers() -> list[str]:
-    """Every registered launcher whose own probe passes here: gVisor, and the reduced test
-    registration of it (tests/launchers/reduced.py, registered by tests/settings.py)."""
+    """Every registered launcher whose own probe passes here: gVisor, the reduced test
+    registration of it (tests/launchers/reduced.py, registered by tests/settings.py), and the
+    microVM launcher where QEMU and its guest kernel are installed."""
     return [name for name in launcher_names() if launcher_class(name).probe({}) is None]
 
 

@@ -1,7 +1,9 @@
 """The launcher conformance suite: every runtime passes these, unchanged.
 
-Parametrised over every registered launcher whose own probe passes here (gVisor, and the
-reduced test registration of it with network and checkpoints off: tests/launchers/reduced.py).
+Parametrised over every registered launcher whose own probe passes here (gVisor, the reduced
+test registration of it with network and checkpoints off: tests/launchers/reduced.py, and the
+QEMU microVM where QEMU and its guest kernel are installed: each of its cases boots a VM, under
+TCG here, so ``-k "not microvm"`` leaves them out of a quick run).
 Only the public interface (runtime/launchers/base.py) is used; what a runtime cannot do
 (``capabilities()``) it must refuse. A runtime's own internals are tested under
 ``tests/launchers/<name>/``. Real runtimes (runsc here), never fakes.

@@ -38,10 +38,12 @@ def test_by_default_a_node_runs_every_launcher_whose_probe_passes_and_logs_why_i
     fresh_node.HANGAR_LAUNCHER_CONFIG = {
         **fresh_node.HANGAR_LAUNCHER_CONFIG,
         REDUCED: {"runsc": "/nonexistent/runsc"},
+        "microvm": {"kernel_dir": "/nonexistent"},
     }
     with caplog.at_level(logging.INFO, logger="runtime.node.local"):
         assert list(node_mod.local_launchers()) == [fresh_node.HANGAR_DEFAULT_RUNTIME]
     assert f"leaves the {REDUCED} runtime out: runsc (/nonexistent/runsc) is not installed" in caplog.text
+    assert "leaves the microvm runtime out: " in caplog.text
     assert set(node_mod.local_capabilities()) == {fresh_node.HANGAR_DEFAULT_RUNTIME}
 
 

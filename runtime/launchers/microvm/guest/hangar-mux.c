@@ -1,0 +1,949 @@
+/*
+ * hangar-mux: many byte streams over one, for a microVM's guest agent; and the VM's init.
+ *
+ * The guest agent (runtime/launchers/agent/hangar-agent.c) serves one request per unix-socket
+ * connection. A VM reaches the host through one virtio-serial port, a single byte stream, so
+ * this program carries every connection over it as a numbered stream, with flow control of
+ * its own per stream (a window of WINDOW bytes, given back with CREDIT frames as the receiving
+ * end writes them out), so one stalled reader never holds up another stream.
+ *
+ * One binary, three roles:
+ *   hangar-mux host --vm PATH --listen PATH [--config FILE]
+ *       on the node: connects to QEMU's end of the port (a unix socket QEMU listens on),
+ *       sends the sandbox's configuration, and once the guest says its agent is up, listens on
+ *       --listen: each connection accepted there is a new stream (the agent's client connects
+ *       there as to gVisor's socket). Exits when QEMU closes the port.
+ *   hangar-mux guest --listen-port PATH --agent PATH
+ *       the guest's end over a unix socket instead of a port: for tests on the host.
+ *   /init (PID 1 of the VM's initramfs)
+ *       loads the virtio modules, mounts the sandbox's root (the image's read-only disk under
+ *       an overlay whose upper layer is the sandbox's own disk), moves into it, takes the
+ *       configuration from the host, starts the agent as PID 1 of a PID namespace of its own
+ *       (the sandbox sees neither this process nor the kernel's threads), and then serves the
+ *       guest's end of the port.
+ *
+ * Frames on the link: 1 byte type, 4 bytes stream id, 4 bytes length (both big-endian), payload.
+ *
+ * Build: gcc -static -O2 -Wall -Wextra -o hangar-mux hangar-mux.c
+ */
+#define _GNU_SOURCE
+#include <dirent.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <net/if.h>
+#include <poll.h>
+#include <sched.h>
+#include <signal.h>
+#include <stdarg.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/ioctl.h>
+#include <sys/mount.h>
+#include <sys/reboot.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+#include <sys/types.h>
+#include <sys/un.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+enum { F_HELLO = 1, F_CONFIG = 2, F_OPEN = 3, F_DATA = 4, F_CREDIT = 5, F_CLOSE = 6, F_RESET = 7,
+       F_SHUTDOWN = 8, F_BYE = 9 };
+
+#define HEADER 9
+#define MAX_FRAME (64u << 10)
+#define WINDOW (256u << 10)      /* bytes a stream may have in flight towards its reader */
+#define LINK_HIGH (1u << 20)     /* stop reading streams while this much waits for the link */
+#define MAX_STREAMS 4096
+#define MAX_CONFIG (1u << 20)
+
+struct buf {
+    char *p;
+    size_t len, cap;
+};
+
+struct stream {
+    uint32_t id;
+    int fd;
+    struct buf out;     /* from the peer, to write to fd */
+    uint32_t credit;    /* bytes we may still send the peer */
+    uint32_t unacked;   /* bytes written to fd not yet given back as credit */
+    int rd_eof;         /* fd said EOF (CLOSE sent) */
+    int peer_eof;       /* the peer sent CLOSE */
+    int wr_shut;
+};
+
+static int g_host;                 /* host role: opens streams; guest role: accepts them */
+static int g_link = -1;
+static struct buf g_link_out, g_link_in;
+static struct stream *g_streams[MAX_STREAMS];
+static size_t g_nstreams;
+static uint32_t g_next_id = 1;
+static const char *g_agent_path;   /* guest: where the agent listens */
+static int g_listen = -1;          /* host: where clients connect, once the guest is ready */
+static const char *g_listen_path;
+static char *g_config;             /* host: what CONFIG carries */
+static size_t g_config_len;
+static int g_ready;                /* host: HELLO seen; guest: HELLO sent */
+static volatile sig_atomic_t g_shutdown_req; /* host: SIGUSR1 asks the guest to stop */
+static int g_sigpipe[2] = {-1, -1};
+static pid_t g_agent_pid;          /* init: the agent's pid */
+static int g_is_init;
+
+static void logmsg(const char *fmt, ...)
+{
+    char line[512];
+    va_list ap;
+    va_start(ap, fmt);
+    int n = vsnprintf(line, sizeof line - 1, fmt, ap);
+    va_end(ap);
+    if (n < 0)
+        return;
+    if ((size_t)n > sizeof line - 2)
+        n = sizeof line - 2;
+    line[n++] = '\n';
+    if (write(STDERR_FILENO, "hangar-mux: ", 12) < 0 || write(STDERR_FILENO, line, (size_t)n) < 0) {
+        /* nowhere to say it */
+    }
+}
+
+static void die(const char *what)
+{
+    logmsg("%s: %s", what, strerror(errno));
+    if (g_is_init) {
+        sync();
+        reboot(RB_POWER_OFF);
+    }
+    exit(1);
+}
+
+static void buf_add(struct buf *b, const void *data, size_t len)
+{
+    if (b->len + len > b->cap) {
+        size_t cap = b->cap ? b->cap : 4096;
+        while (cap < b->len + len)
+            cap *= 2;
+        char *p = realloc(b->p, cap);
+        if (!p)
+            die("realloc");
+        b->p = p;
+        b->cap = cap;
+    }
+    memcpy(b->p + b->len, data, len);
+    b->len += len;
+}
+
+static void buf_drop(struct buf *b, size_t n)
+{
+    memmove(b->p, b->p + n, b->len - n);
+    b->len -= n;
+    if (b->len == 0 && b->cap > (1u << 20)) { /* give a burst's memory back */
+        free(b->p);
+        b->p = NULL;
+        b->cap = 0;
+    }
+}
+
+static void put32(unsigned char *p, uint32_t v)
+{
+    p[0] = (unsigned char)(v >> 24);
+    p[1] = (unsigned char)(v >> 16);
+    p[2] = (unsigned char)(v >> 8);
+    p[3] = (unsigned char)v;
+}
+
+static uint32_t get32(const unsigned char *p)
+{
+    return (uint32_t)p[0] << 24 | (uint32_t)p[1] << 16 | (uint32_t)p[2] << 8 | p[3];
+}
+
+static void send_frame(int type, uint32_t id, const void *data, uint32_t len)
+{
+    unsigned char h[HEADER];
+    h[0] = (unsigned char)type;
+    put32(h + 1, id);
+    put32(h + 5, len);
+    buf_add(&g_link_out, h, HEADER);
+    if (len)
+        buf_add(&g_link_out, data, len);
+}
+
+static void send_u32(int type, uint32_t id, uint32_t v)
+{
+    unsigned char p[4];
+    put32(p, v);
+    send_frame(type, id, p, 4);
+}
+
+static struct stream *stream_find(uint32_t id)
+{
+    for (size_t i = 0; i < g_nstreams; i++)
+        if (g_streams[i]->id == id)
+            return g_streams[i];
+    return NULL;
+}
+
+static struct stream *stream_new(uint32_t id, int fd)
+{
+    if (g_nstreams == MAX_STREAMS)
+        return NULL;
+    struct stream *s = calloc(1, sizeof *s);
+    if (!s)
+        die("calloc");
+    s->id = id;
+    s->fd = fd;
+    s->credit = WINDOW;
+    g_streams[g_nstreams++] = s;
+    return s;
+}
+
+static void stream_free(struct stream *s)
+{
+    for (size_t i = 0; i < g_nstreams; i++) {
+        if (g_streams[i] == s) {
+            g_streams[i] = g_streams[--g_nstreams];
+            break;
+        }
+    }
+    if (s->fd >= 0)
+        close(s->fd);
+    free(s->out.p);
+    free(s);
+}
+
+/* The stream is done with, at once: the peer is told unless it told us. */
+static void stream_reset(struct stream *s, int tell)
+{
+    if (tell)
+        send_frame(F_RESET, s->id, NULL, 0);
+    stream_free(s);
+}
+
+static void reset_all(void)
+{
+    while (g_nstreams)
+        stream_free(g_streams[0]);
+}
+
+static void stream_maybe_done(struct stream *s)
+{
+    if (s->rd_eof && s->peer_eof && s->out.len == 0)
+        stream_free(s);
+}
+
+static int set_nonblock(int fd)
+{
+    int fl = fcntl(fd, F_GETFL);
+    return fl < 0 ? -1 : fcntl(fd, F_SETFL, fl | O_NONBLOCK);
+}
+
+static int unix_addr(struct sockaddr_un *a, const char *path)
+{
+    memset(a, 0, sizeof *a);
+    a->sun_family = AF_UNIX;
+    if (strlen(path) >= sizeof a->sun_path) {
+        errno = ENAMETOOLONG;
+        return -1;
+    }
+    strcpy(a->sun_path, path);
+    return 0;
+}
+
+static int unix_connect(const char *path)
+{
+    struct sockaddr_un a;
+    if (unix_addr(&a, path) < 0)
+        return -1;
+    int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    if (fd < 0)
+        return -1;
+    if (connect(fd, (struct sockaddr *)&a, sizeof a) < 0) {
+        int e = errno;
+        close(fd);
+        errno = e;
+        return -1;
+    }
+    return fd;
+}
+
+/* Bound under a temporary name and renamed into place once listening, as the agent does: the
+ * path exists only while something accepts there ("listening" needs no round trip). */
+static int unix_listen(const char *path)
+{
+    char tmp[sizeof ((struct sockaddr_un *)0)->sun_path];
+    if (snprintf(tmp, sizeof tmp, "%s.new", path) >= (int)sizeof tmp) {
+        errno = ENAMETOOLONG;
+        return -1;
+    }
+    struct sockaddr_un a;
+    if (unix_addr(&a, tmp) < 0)
+        return -1;
+    unlink(tmp);
+    int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
+    if (fd < 0)
+        return -1;
+    mode_t old = umask(077);
+    int rc = bind(fd, (struct sockaddr *)&a, sizeof a);
+    umask(old);
+    if (rc < 0 || listen(fd, 128) < 0 || rename(tmp, path) < 0) {
+        int e = errno;
+        close(fd);
+        unlink(tmp);
+        errno = e;
+        return -1;
+    }
+    return fd;
+}
+
+/* -- frames from the link ----------------------------------------------------------------- */
+
+static void on_data(struct stream *s, const char *p, uint32_t len)
+{
+    if (s->peer_eof || s->out.len + len > WINDOW) { /* past its window: the peer is broken */
+        stream_reset(s, 1);
+        return;
+    }
+    if (s->fd < 0)
+        return;
+    /* Written at once where the socket takes it; the rest waits for POLLOUT. */
+    if (s->out.len == 0) {
+        ssize_t n = write(s->fd, p, len);
+        if (n < 0 && errno != EAGAIN) {
+            stream_reset(s, 1);
+            return;
+        }
+        if (n > 0) {
+            p += n;
+            len -= (uint32_t)n;
+            s->unacked += (uint32_t)n;
+        }
+    }
+    if (len)
+        buf_add(&s->out, p, len);
+}
+
+static void guest_open(uint32_t id)
+{
+    if (stream_find(id)) {
+        send_frame(F_RESET, id, NULL, 0);
+        return;
+    }
+    int fd = unix_connect(g_agent_path);
+    if (fd < 0 || set_nonblock(fd) < 0) {
+        if (fd >= 0)
+            close(fd);
+        send_frame(F_RESET, id, NULL, 0);
+        return;
+    }
+    if (!stream_new(id, fd)) {
+        close(fd);
+        send_frame(F_RESET, id, NULL, 0);
+    }
+}
+
+static void on_frame(int type, uint32_t id, const char *p, uint32_t len)
+{
+    struct stream *s = id ? stream_find(id) : NULL;
+    switch (type) {
+    case F_HELLO:
+        if (g_host && !g_ready) {
+            g_listen = unix_listen(g_listen_path);
+            if (g_listen < 0)
+                die("listen");
+            g_ready = 1;
+        }
+        break;
+    case F_CONFIG: /* a (re)connected host: whatever streams there were are gone */
+        if (!g_host) {
+            reset_all();
+            if (g_ready)
+                send_frame(F_HELLO, 0, NULL, 0);
+        }
+        break;
+    case F_OPEN:
+        if (!g_host)
+            guest_open(id);
+        break;
+    case F_DATA:
+        if (s)
+            on_data(s, p, len);
+        break;
+    case F_CREDIT:
+        if (s && len == 4)
+            s->credit += get32((const unsigned char *)p);
+        break;
+    case F_CLOSE:
+        if (s) {
+            s->peer_eof = 1;
+            stream_maybe_done(s);
+        }
+        break;
+    case F_RESET:
+        if (s)
+            stream_free(s);
+        break;
+    case F_SHUTDOWN:
+        if (!g_host && g_is_init) {
+            if (g_agent_pid > 0)
+                kill(g_agent_pid, SIGTERM); /* the agent ends every process of the sandbox */
+            for (int i = 0; i < 300 && g_agent_pid > 0; i++) {
+                if (waitpid(g_agent_pid, NULL, WNOHANG) == g_agent_pid)
+                    g_agent_pid = 0;
+                else
+                    usleep(10000);
+            }
+            sync(); /* what the sandbox wrote is on its disk before QEMU goes */
+            send_frame(F_BYE, 0, NULL, 0);
+        } else if (!g_host) {
+            send_frame(F_BYE, 0, NULL, 0);
+        }
+        break;
+    case F_BYE:
+        if (g_host)
+            exit(0);
+        break;
+    default:
+        break;
+    }
+}
+
+static void link_parse(void)
+{
+    size_t off = 0;
+    while (g_link_in.len - off >= HEADER) {
+        const unsigned char *h = (const unsigned char *)g_link_in.p + off;
+        uint32_t len = get32(h + 5);
+        if (len > (h[0] == F_CONFIG ? MAX_CONFIG : MAX_FRAME)) {
+            errno = EPROTO;
+            die("frame too long on the link");
+        }
+        if (g_link_in.len - off < HEADER + len)
+            break;
+        on_frame(h[0], get32(h + 1), (const char *)h + HEADER, len);
+        off += HEADER + len;
+    }
+    if (off)
+        buf_drop(&g_link_in, off);
+}
+
+/* -- the loop -------------------------------------------------------------------------------- */
+
+static void on_signal(int sig)
+{
+    int saved = errno;
+    if (sig == SIGUSR1)
+        g_shutdown_req = 1;
+    char c = (char)sig;
+    if (write(g_sigpipe[1], &c, 1) < 0) {
+        /* full: a wakeup is pending anyway */
+    }
+    errno = saved;
+}
+
+static void reap(void)
+{
+    int status;
+    pid_t pid;
+    while ((pid = waitpid(-1, &status, WNOHANG)) > 0) {
+        if (g_is_init && pid == g_agent_pid) {
+            /* The sandbox's agent is gone: so is the sandbox. */
+            logmsg("the agent exited (status %d): powering off", status);
+            sync();
+            reboot(RB_POWER_OFF);
+        }
+    }
+}
+
+static void accept_clients(void)
+{
+    for (;;) {
+        int fd = accept4(g_listen, NULL, NULL, SOCK_CLOEXEC | SOCK_NONBLOCK);
+        if (fd < 0)
+            return;
+        uint32_t id = g_next_id++;
+        if (g_next_id == 0)
+            g_next_id = 1;
+        if (!stream_new(id, fd)) {
+            close(fd);
+            continue;
+        }
+        send_frame(F_OPEN, id, NULL, 0);
+    }
+}
+
+static void serve(void)
+{
+    static char rbuf[MAX_FRAME];
+    struct pollfd *pfd = calloc(MAX_STREAMS + 3, sizeof *pfd);
+    struct stream **pst = calloc(MAX_STREAMS + 3, sizeof *pst);
+    if (!pfd || !pst)
+        die("calloc");
+    for (;;) {
+        if (g_shutdown_req) {
+            g_shutdown_req = 0;
+            send_frame(F_SHUTDOWN, 0, NULL, 0);
+        }
+        size_t n = 0;
+        pfd[n] = (struct pollfd){.fd = g_link, .events = POLLIN | (g_link_out.len ? POLLOUT : 0)};
+        pst[n++] = NULL;
+        pfd[n] = (struct pollfd){.fd = g_sigpipe[0], .events = POLLIN};
+        pst[n++] = NULL;
+        int room = g_link_out.len < LINK_HIGH;
+        if (g_listen >= 0 && room) {
+            pfd[n] = (struct pollfd){.fd = g_listen, .events = POLLIN};
+            pst[n++] = NULL;
+        }
+        size_t first = n;
+        for (size_t i = 0; i < g_nstreams; i++) {
+            struct stream *s = g_streams[i];
+            short ev = 0;
+            if (!s->rd_eof && s->credit > 0 && room)
+                ev |= POLLIN;
+            if (s->out.len)
+                ev |= POLLOUT;
+            pfd[n] = (struct pollfd){.fd = ev ? s->fd : -1, .events = ev};
+            pst[n++] = s;
+        }
+        int rc = poll(pfd, n, 1000);
+        if (rc < 0) {
+            if (errno == EINTR)
+                continue;
+            die("poll");
+        }
+        if (pfd[1].revents) {
+            char drain[64];
+            while (read(g_sigpipe[0], drain, sizeof drain) > 0) {
+            }
+        }
+        reap();
+        if (pfd[0].revents & (POLLIN | POLLHUP | POLLERR)) {
+            ssize_t r = read(g_link, rbuf, sizeof rbuf);
+            if (r == 0 || (r < 0 && errno != EAGAIN && errno != EINTR)) {
+                if (g_host)
+                    exit(0); /* QEMU closed its end: the VM is gone */
+                /* A guest port with no host on it: wait for one to come back. */
+                if (r == 0 || errno == EPIPE || errno == ECONNRESET)
+                    poll(NULL, 0, 100);
+                if (!g_is_init && r == 0)
+                    exit(0);
+            } else if (r > 0) {
+                buf_add(&g_link_in, rbuf, (size_t)r);
+                link_parse();
+            }
+        }
+        if (pfd[0].revents & POLLOUT && g_link_out.len) {
+            ssize_t w = write(g_link, g_link_out.p, g_link_out.len);
+            if (w > 0)
+                buf_drop(&g_link_out, (size_t)w);
+            else if (w < 0 && errno != EAGAIN && errno != EINTR && g_host)
+                exit(0);
+        }
+        if (g_listen >= 0 && room && pfd[2].revents & POLLIN)
+            accept_clients();
+        for (size_t i = first; i < n; i++) {
+            struct stream *s = pst[i];
+            short re = pfd[i].revents;
+            if (!re || stream_find(s->id) != s)
+                continue; /* freed by a frame above */
+            if (re & POLLOUT && s->out.len) {
+                ssize_t w = write(s->fd, s->out.p, s->out.len);
+                if (w < 0 && errno != EAGAIN) {
+                    stream_reset(s, 1);
+                    continue;
+                }
+                if (w > 0) {
+                    buf_drop(&s->out, (size_t)w);
+                    s->unacked += (uint32_t)w;
+                }
+            }
+            if (re & (POLLIN | POLLHUP | POLLERR) && !s->rd_eof && s->credit > 0) {
+                size_t want = s->credit < MAX_FRAME ? s->credit : MAX_FRAME;
+                ssize_t r = read(s->fd, rbuf, want);
+                if (r > 0) {
+                    send_frame(F_DATA, s->id, rbuf, (uint32_t)r);
+                    s->credit -= (uint32_t)r;
+                } else if (r == 0 || (errno != EAGAIN && errno != EINTR)) {
+                    if (r < 0 && s->out.len == 0 && s->peer_eof) {
+                        stream_reset(s, 1);
+                        continue;
+                    }
+                    s->rd_eof = 1;
+                    send_frame(F_CLOSE, s->id, NULL, 0);
+                }
+            }
+            if (s->peer_eof && s->out.len == 0 && !s->wr_shut) {
+                shutdown(s->fd, SHUT_WR);
+                s->wr_shut = 1;
+            }
+            stream_maybe_done(s);
+        }
+        /* Credit goes back once a quarter window was written out (or the buffer emptied). */
+        for (size_t i = 0; i < g_nstreams; i++) {
+            struct stream *s = g_streams[i];
+            if (s->unacked >= WINDOW / 4 || (s->unacked && s->out.len == 0)) {
+                send_u32(F_CREDIT, s->id, s->unacked);
+                s->unacked = 0;
+            }
+        }
+        /* The guest says it is ready once its agent listens. */
+        if (!g_host && !g_ready && access(g_agent_path, F_OK) == 0) {
+            send_frame(F_HELLO, 0, NULL, 0);
+            g_ready = 1;
+        }
+    }
+}
+
+static void setup_signals(void)
+{
+    if (pipe2(g_sigpipe, O_CLOEXEC | O_NONBLOCK) < 0)
+        die("pipe");
+    struct sigaction sa;
+    memset(&sa, 0, sizeof sa);
+    sa.sa_handler = on_signal;
+    sa.sa_flags = SA_RESTART;
+    sigaction(SIGCHLD, &sa, NULL);
+    sigaction(SIGUSR1, &sa, NULL);
+    signal(SIGPIPE, SIG_IGN);
+}
+
+/* -- roles ------------------------------------------------------------------------------------ */
+
+static char *read_file_all(const char *path, size_t *len)
+{
+    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0)
+        return NULL;
+    struct buf b = {0};
+    char chunk[4096];
+    ssize_t n;
+    while ((n = read(fd, chunk, sizeof chunk)) > 0 && b.len < MAX_CONFIG)
+        buf_add(&b, chunk, (size_t)n);
+    close(fd);
+    *len = b.len;
+    return b.p ? b.p : calloc(1, 1);
+}
+
+static int host_main(const char *vm, const char *listen_path, const char *config)
+{
+    g_host = 1;
+    g_listen_path = listen_path;
+    if (config) {
+        g_config = read_file_all(config, &g_config_len);
+        if (!g_config)
+            die(config);
+    }
+    /* QEMU creates its socket as it starts: wait for it (a VM that never comes up is the
+     * launcher's to give up on; it kills us with QEMU). */
+    for (int i = 0;; i++) {
+        g_link = unix_connect(vm);
+        if (g_link >= 0)
+            break;
+        if (i > 6000)
+            die(vm);
+        usleep(10000);
+    }
+    set_nonblock(g_link);
+    send_frame(F_CONFIG, 0, g_config, (uint32_t)g_config_len);
+    serve();
+    return 0;
+}
+
+static int guest_test_main(const char *listen_port, const char *agent)
+{
+    g_agent_path = agent;
+    int l = unix_listen(listen_port);
+    if (l < 0)
+        die(listen_port);
+    struct pollfd p = {.fd = l, .events = POLLIN};
+    poll(&p, 1, -1);
+    g_link = accept4(l, NULL, NULL, SOCK_CLOEXEC | SOCK_NONBLOCK);
+    if (g_link < 0)
+        die("accept");
+    close(l);
+    serve();
+    return 0;
+}
+
+/* -- init ------------------------------------------------------------------------------------- */
+
+static void must_mount(const char *src, const char *dst, const char *type, unsigned long flags, const char *data)
+{
+    mkdir(dst, 0755);
+    if (mount(src, dst, type, flags, data) < 0) {
+        logmsg("mount %s on %s (%s): %s", src, dst, type, strerror(errno));
+        die("mount");
+    }
+}
+
+static void load_modules(void)
+{
+    FILE *f = fopen("/modules.list", "re");
+    if (!f)
+        return;
+    char name[256], path[300];
+    while (fgets(name, sizeof name, f)) {
+        name[strcspn(name, "\n")] = '\0';
+        if (!*name)
+            continue;
+        snprintf(path, sizeof path, "/modules/%s", name);
+        int fd = open(path, O_RDONLY | O_CLOEXEC);
+        if (fd < 0 || (syscall(SYS_finit_module, fd, "", 0) < 0 && errno != EEXIST))
+            logmsg("module %s: %s", name, strerror(errno));
+        if (fd >= 0)
+            close(fd);
+    }
+    fclose(f);
+}
+
+static int wait_path(const char *path, int ms)
+{
+    for (int i = 0; i < ms; i += 5) {
+        if (access(path, F_OK) == 0)
+            return 0;
+        usleep(5000);
+    }
+    return -1;
+}
+
+/* The port QEMU names "hangar": /sys/class/virtio-ports/vportNpM/name says which it is. */
+static int open_port(void)
+{
+    for (int tries = 0; tries < 2000; tries++) {
+        DIR *d = opendir("/sys/class/virtio-ports");
+        struct dirent *e;
+        while (d && (e = readdir(d))) {
+            if (e->d_name[0] == '.')
+                continue;
+            char path[300], name[64] = "";
+            snprintf(path, sizeof path, "/sys/class/virtio-ports/%s/name", e->d_name);
+            int fd = open(path, O_RDONLY | O_CLOEXEC);
+            if (fd >= 0) {
+                ssize_t n = read(fd, name, sizeof name - 1);
+                close(fd);
+                name[n > 0 ? n : 0] = '\0';
+                name[strcspn(name, "\n")] = '\0';
+            }
+            if (strcmp(name, "hangar") == 0) {
+                snprintf(path, sizeof path, "/dev/%s", e->d_name);
+                if (wait_path(path, 2000) == 0) {
+                    int port = open(path, O_RDWR | O_CLOEXEC | O_NONBLOCK);
+                    closedir(d);
+                    return port;
+                }
+            }
+        }
+        if (d)
+            closedir(d);
+        usleep(5000);
+    }
+    return -1;
+}
+
+static void copy_file(const char *src, const char *dst, mode_t mode)
+{
+    int in = open(src, O_RDONLY | O_CLOEXEC);
+    int out = open(dst, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, mode);
+    if (in < 0 || out < 0)
+        die(src);
+    char chunk[65536];
+    ssize_t n;
+    while ((n = read(in, chunk, sizeof chunk)) > 0)
+        if (write(out, chunk, (size_t)n) != n)
+            die(dst);
+    close(in);
+    close(out);
+}
+
+static void write_text(const char *path, const char *text)
+{
+    int fd = open(path, O_WRONLY | O_CLOEXEC);
+    if (fd >= 0) {
+        if (write(fd, text, strlen(text)) < 0)
+            logmsg("%s: %s", path, strerror(errno));
+        close(fd);
+    }
+}
+
+static void loopback_up(void)
+{
+    int s = socket(AF_INET, SOCK_DGRAM | SOCK_CLOEXEC, 0);
+    struct ifreq ifr;
+    memset(&ifr, 0, sizeof ifr);
+    strcpy(ifr.ifr_name, "lo");
+    if (s >= 0 && ioctl(s, SIOCGIFFLAGS, &ifr) == 0) {
+        ifr.ifr_flags |= IFF_UP | IFF_RUNNING;
+        ioctl(s, SIOCSIFFLAGS, &ifr);
+    }
+    if (s >= 0)
+        close(s);
+}
+
+/* Reads the host's CONFIG frame (blocking) off the port: "key=value\0" fields. */
+static char *read_config(size_t *len)
+{
+    static char rbuf[65536];
+    for (;;) {
+        if (g_link_in.len >= HEADER) {
+            const unsigned char *h = (const unsigned char *)g_link_in.p;
+            uint32_t flen = get32(h + 5);
+            if (flen > MAX_CONFIG)
+                die("config too long");
+            if (g_link_in.len >= HEADER + flen) {
+                if (h[0] == F_CONFIG) {
+                    char *cfg = malloc(flen + 1);
+                    memcpy(cfg, h + HEADER, flen);
+                    cfg[flen] = '\0';
+                    *len = flen;
+                    buf_drop(&g_link_in, HEADER + flen);
+                    return cfg;
+                }
+                buf_drop(&g_link_in, HEADER + flen);
+                continue;
+            }
+        }
+        struct pollfd p = {.fd = g_link, .events = POLLIN};
+        poll(&p, 1, 1000);
+        ssize_t r = read(g_link, rbuf, sizeof rbuf);
+        if (r > 0)
+            buf_add(&g_link_in, rbuf, (size_t)r);
+        else if (r == 0 || (errno != EAGAIN && errno != EINTR))
+            usleep(20000); /* no host on the port yet */
+    }
+}
+
+static int init_main(void)
+{
+    g_is_init = 1;
+    must_mount("devtmpfs", "/dev", "devtmpfs", MS_NOSUID, "mode=0755");
+    int con = open("/dev/console", O_RDWR | O_CLOEXEC);
+    if (con >= 0) {
+        dup2(con, 1);
+        dup2(con, 2);
+    }
+    logmsg("init"); /* the KVM probe (boot.py) waits for this line: the guest kernel ran /init */
+    must_mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, NULL);
+    must_mount("sysfs", "/sys", "sysfs", MS_NOSUID | MS_NODEV | MS_NOEXEC, NULL);
+    load_modules();
+    if (wait_path("/dev/vda", 10000) < 0)
+        die("no /dev/vda (the image's disk)");
+    must_mount("/dev/vda", "/lower", "ext4", MS_RDONLY, "noload");
+    if (wait_path("/dev/vdb", 2000) == 0) {
+        must_mount("/dev/vdb", "/disk", "ext4", MS_NOATIME, "noinit_itable"); /* no zeroing in the background */
+    } else {
+        must_mount("tmpfs", "/disk", "tmpfs", 0, "mode=0755");
+    }
+    mkdir("/disk/upper", 0755);
+    mkdir("/disk/work", 0755);
+    must_mount("overlay", "/newroot", "overlay", 0, "lowerdir=/lower,upperdir=/disk/upper,workdir=/disk/work");
+    must_mount("tmpfs", "/newroot/.hangar", "tmpfs", MS_NOSUID, "mode=0755,size=64m");
+    copy_file("/hangar-agent", "/newroot/.hangar/agent", 0755);
+    mkdir("/newroot/.hangar/run", 0700);
+    const char *moves[] = {"/dev", "/proc", "/sys"};
+    for (int i = 0; i < 3; i++) {
+        char dst[64];
+        snprintf(dst, sizeof dst, "/newroot%s", moves[i]);
+        mkdir(dst, 0755);
+        if (mount(moves[i], dst, NULL, MS_MOVE, NULL) < 0)
+            die("move mount");
+    }
+    if (chdir("/newroot") < 0 || mount(".", "/", NULL, MS_MOVE, NULL) < 0 || chroot(".") < 0 || chdir("/") < 0)
+        die("switch root");
+    must_mount("devpts", "/dev/pts", "devpts", MS_NOSUID | MS_NOEXEC, "ptmxmode=0666,mode=0620");
+    must_mount("tmpfs", "/dev/shm", "tmpfs", MS_NOSUID | MS_NODEV, "mode=1777");
+    loopback_up();
+    /* Out of memory, the sandbox stops (as it does in gVisor), saying so on the console. */
+    write_text("/proc/sys/vm/panic_on_oom", "1");
+    /* Allocations succeed and the pages count when touched, as in gVisor under its cgroup: a
+     * command asking for more than the VM has meets the limit, not a refused malloc. */
+    write_text("/proc/sys/vm/overcommit_memory", "1");
+
+    g_link = open_port();
+    if (g_link < 0)
+        die("no virtio-serial port named hangar");
+    size_t clen = 0;
+    char *cfg = read_config(&clen);
+    /* The agent's environment: the config's env= fields. */
+    size_t nenv = 0;
+    for (size_t i = 0; i < clen; i += strlen(cfg + i) + 1)
+        nenv++;
+    char **envp = calloc(nenv + 3, sizeof *envp);
+    size_t k = 0;
+    envp[k++] = (char *)"HANGAR_AGENT_SOCKET=/.hangar/run/agent.sock";
+    for (size_t i = 0; i < clen; i += strlen(cfg + i) + 1) {
+        char *f = cfg + i;
+        if (strncmp(f, "env=", 4) == 0)
+            envp[k++] = f + 4;
+        else if (strncmp(f, "hostname=", 9) == 0)
+            sethostname(f + 9, strlen(f + 9));
+    }
+    envp[k] = NULL;
+    const char *cwd = "/";
+    for (size_t i = 0; i < clen; i += strlen(cfg + i) + 1)
+        if (strncmp(cfg + i, "cwd=", 4) == 0)
+            cwd = cfg + i + 4;
+    g_agent_path = "/.hangar/run/agent.sock";
+    setup_signals();
+
+    /* The agent is PID 1 of a PID namespace of its own, with its own /proc: the sandbox sees
+     * its processes only, never this one (which it could otherwise kill) or kernel threads. */
+    if (unshare(CLONE_NEWPID) < 0)
+        die("unshare");
+    pid_t pid = fork();
+    if (pid < 0)
+        die("fork");
+    if (pid == 0) {
+        /* Its own mount namespace, for a /proc of its PID namespace: this one keeps the VM's. */
+        if (unshare(CLONE_NEWNS) < 0)
+            _exit(125);
+        mount(NULL, "/", NULL, MS_REC | MS_PRIVATE, NULL);
+        umount2("/proc", MNT_DETACH);
+        must_mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, NULL);
+        int null = open("/dev/null", O_RDWR);
+        if (null >= 0) {
+            dup2(null, 0);
+            dup2(null, 1);
+            dup2(null, 2);
+        }
+        close(g_link);
+        if (chdir(cwd) < 0 && chdir("/") < 0)
+            _exit(126);
+        char *argv[] = {(char *)"/.hangar/agent", NULL};
+        execve(argv[0], argv, envp);
+        _exit(127);
+    }
+    g_agent_pid = pid;
+    serve();
+    return 0;
+}
+
+int main(int argc, char **argv)
+{
+    if (getpid() == 1)
+        return init_main();
+    const char *role = argc > 1 ? argv[1] : "";
+    const char *vm = NULL, *listen_path = NULL, *config = NULL, *agent = NULL, *port = NULL;
+    for (int i = 2; i + 1 < argc; i += 2) {
+        if (strcmp(argv[i], "--vm") == 0)
+            vm = argv[i + 1];
+        else if (strcmp(argv[i], "--listen") == 0)
+            listen_path = argv[i + 1];
+        else if (strcmp(argv[i], "--config") == 0)
+            config = argv[i + 1];
+        else if (strcmp(argv[i], "--agent") == 0)
+            agent = argv[i + 1];
+        else if (strcmp(argv[i], "--listen-port") == 0)
+            port = argv[i + 1];
+    }
+    setup_signals();
+    if (strcmp(role, "host") == 0 && vm && listen_path)
+        return host_main(vm, listen_path, config);
+    if (strcmp(role, "guest") == 0 && port && agent)
+        return guest_test_main(port, agent);
+    fprintf(stderr, "usage: hangar-mux host --vm PATH --listen PATH [--config FILE]\n"
+                    "       hangar-mux guest --listen-port PATH --agent PATH\n");
+    return 2;
+}

@@ -1,0 +1,406 @@
+"""The microVM launcher: one QEMU ``microvm`` machine per Hangar sandbox (see the package's
+docstring for what it keeps where)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import math
+import os
+import shutil
+import signal
+import subprocess
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from ...host import hostnames
+from ...host.locks import file_lock
+from ..agent.client import AgentClient
+from ..agent.launcher import AgentBackedLauncher
+from ..agent.protocol import MAX_PAYLOAD, AgentError
+from ..agent.transport import UnixTransport
+from ..base import (
+    Capabilities,
+    ExecRequest,
+    Handle,
+    LauncherError,
+    RuntimeState,
+    SandboxGone,
+    SandboxNotRunning,
+    SandboxSpec,
+    Stats,
+)
+from . import boot, cgroups
+
+log = logging.getLogger(__name__)
+
+BOOT_TIMEOUT = 60.0  # under TCG on a busy node a boot takes seconds; with KVM well under one
+# Under TCG one boot in thirty-odd never reached /init here (the console says nothing past the
+# kernel's first lines at loglevel 1): a boot not up by then is killed and tried once more.
+FIRST_BOOT_TIMEOUT = {"tcg": 20.0, "kvm": 10.0}
+OOM_MARK = b"Out of memory"
+
+
+def _pid_alive(pid: int, marker: str) -> bool:
+    """Whether ``pid`` runs and its command line names ``marker`` (a reused pid does not)."""
+    if pid <= 0:
+        return False
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            cmdline = f.read()
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            state = f.read().rsplit(b")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != b"Z" and marker.encode() in cmdline
+
+
+def _reap(pid: int, timeout: float = 0.0) -> None:
+    """Collect ``pid``'s exit where this process started it (no zombie left), waiting up to
+    ``timeout`` for a killed process to finish exiting; another's child returns at once."""
+    if pid <= 0:
+        return  # waitpid(0) would take any child of this process's group
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            if os.waitpid(pid, os.WNOHANG)[0] == pid:
+                return
+        except ChildProcessError:
+            return
+        if time.monotonic() >= deadline:
+            return
+        time.sleep(0.01)
+
+
+def _kill(pid: int, marker: str, timeout: float = 5.0) -> None:
+    if not _pid_alive(pid, marker):
+        _reap(pid, 1.0)  # our child, exiting on its own (its cmdline empties first): collected
+        return
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + timeout
+    while _pid_alive(pid, marker) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    # Its command line empties while it is still exiting: wait for the exit itself.
+    _reap(pid, max(0.0, deadline - time.monotonic()))
+
+
+class MicroVMLauncher(AgentBackedLauncher):
+    name = "microvm"
+
+    def __init__(
+        self,
+        state_dir: str | os.PathLike[str],
+        agent_cache_dir: str | os.PathLike[str] | None = None,
+        kernel_dir: str = "",
+        accel: str = "auto",
+        qemu: str = "",
+        disk_mb: int = 10240,
+        ca_certs: str = "",
+        node_id: str = "",
+        network_pool: str = "",
+        network_exceptions: tuple[str, ...] = (),
+        network_nameservers: tuple[str, ...] = (),
+        gateway_port: int = 0,
+        spare_disks: int = 0,
+    ) -> None:
+        super().__init__(state_dir=state_dir, agent_cache_dir=agent_cache_dir, ca_certs=ca_certs)
+        if accel not in ("auto", "kvm", "tcg"):
+            raise LauncherError(f"microvm accel must be auto, kvm or tcg, not {accel!r}")
+        self.kernel_dir = kernel_dir
+        self.accel_setting = accel
+        self.qemu = qemu or boot.QEMU
+        self.default_disk_mb = disk_mb or 10240
+        self.sandboxes_dir = self.state_dir / "sandboxes"
+        self.boot_dir = self.state_dir / "boot"
+        # Host-global names carry the node's id (the node's own, else one kept in this state dir).
+        self.cgroup_parent = hostnames.HostNames(node_id or hostnames.node_id(self.state_dir)).cgroup_parent
+        self._accel: str | None = None
+
+    @classmethod
+    def probe(cls, config: Mapping[str, Any]) -> str | None:
+        return boot.missing(str(config.get("kernel_dir") or ""), str(config.get("qemu") or ""))
+
+    def accel(self) -> str:
+        """``kvm`` where the node's KVM runs the guest kernel (a short boot tells, once), else ``tcg``."""
+        if self._accel is None:
+            if self.accel_setting != "auto":
+                self._accel = self.accel_setting
+            else:
+                kern = boot.kernel(self.kernel_dir)
+                initrd = boot.initramfs(self.boot_dir, kern, self.agent_binary)
+                self._accel = "kvm" if boot.kvm_works(self.boot_dir, kern, initrd) else "tcg"
+        return self._accel
+
+    def capabilities(self) -> Capabilities:
+        return Capabilities(network=False, checkpoint=False, kvm=self.accel() == "kvm",
+                            max_command_bytes=MAX_PAYLOAD)  # fmt: skip
+
+    # -- plumbing -------------------------------------------------------------------------
+
+    def _dir(self, sandbox_id: str) -> Path:
+        if not sandbox_id or "/" in sandbox_id or sandbox_id.startswith("."):
+            raise LauncherError(f"invalid sandbox id {sandbox_id!r}")
+        return self.sandboxes_dir / sandbox_id
+
+    def agent(self, handle: Handle) -> AgentClient:
+        return AgentClient(UnixTransport(self._dir(handle["id"]) / "agent.sock"))
+
+    def handle_for(self, sandbox_id: str) -> Handle:
+        d = self._dir(sandbox_id)
+        try:
+            return json.loads((d / "handle.json").read_text())
+        except (OSError, ValueError):
+            return {"id": sandbox_id, "runtime": self.name, "dir": str(d)}
+
+    def _lock(self, sandbox_id: str) -> Any:
+        return file_lock(self.sandboxes_dir / f".{sandbox_id}.lock")
+
+    # -- lifecycle ------------------------------------------------------------------------
+
+    def create(self, spec: SandboxSpec) -> Handle:
+        d = self._dir(spec.id)
+        if not (spec.rootfs / "bin").exists() and not (spec.rootfs / "usr").exists():
+            raise LauncherError(f"image root filesystem {spec.rootfs} is missing or empty")
+        if spec.network:
+            raise LauncherError(f"the {self.name} runtime gives sandboxes no network (yet)")
+        if spec.mounts:
+            raise LauncherError(f"the {self.name} runtime cannot attach volumes (yet)")
+        with self._lock(spec.id):
+            old = self.handle_for(spec.id)
+            if "qemu_pid" in old and self._running(old) and self._agent_answers(old):
+                return old  # a duplicated or retried task: the VM is up
+            self._stop_processes(old)
+            kern = boot.kernel(self.kernel_dir)
+            initrd = boot.initramfs(self.boot_dir, kern, self.agent_binary)
+            root = boot.root_disk(self.boot_dir, spec.rootfs)
+            d.mkdir(parents=True, exist_ok=True)
+            os.chmod(d, 0o700)
+            disk = d / "disk.img"
+            size_mb = spec.disk_mb if spec.disk_mb else self.default_disk_mb
+            if not disk.exists():  # kept from a suspend: the sandbox's files
+                boot.sandbox_disk(disk, size_mb)
+            self._write_config(d, spec)
+            accel = self.accel()
+            handle: Handle = {"id": spec.id, "runtime": self.name, "dir": str(d), "memory_mb": spec.memory_mb,
+                              "cpu": spec.cpu, "vcpus": max(1, math.ceil(spec.cpu)), "accel": accel}  # fmt: skip
+            argv = self._qemu_argv(spec, handle, kern, initrd, root, disk)
+            for attempt, limit in enumerate((FIRST_BOOT_TIMEOUT[accel], BOOT_TIMEOUT)):
+                qemu = self._start(d, handle, argv)
+                try:
+                    self._wait_up(handle, qemu, limit)
+                    break
+                except LauncherError as exc:
+                    self._stop_processes(handle)
+                    if attempt or "exited while booting" in str(exc):
+                        raise
+                    log.warning("microVM %s did not boot within %.0fs; trying once more", spec.id, limit)
+            self.install_ca(handle)
+            return handle
+
+    def _start(self, d: Path, handle: Handle, argv: list[str]) -> subprocess.Popen[bytes]:
+        """QEMU and the node's end of the mux, each in a session of its own; the handle persisted."""
+        for name in ("vm.sock", "agent.sock", "console.log"):
+            (d / name).unlink(missing_ok=True)
+        try:
+            with open(d / "qemu.log", "wb") as qemu_log:
+                qemu = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                        stderr=qemu_log, start_new_session=True, cwd=d)  # fmt: skip
+        except OSError as exc:
+            raise LauncherError(f"cannot start QEMU ({self.qemu}): {exc}") from exc
+        handle["qemu_pid"] = qemu.pid
+        # The fraction of a CPU: its vCPUs (rounded up) together get no more than it asked for.
+        cgroups.limit_cpu(self.cgroup_parent, handle["id"], qemu.pid, float(handle["cpu"]))
+        mux_argv = [str(boot.mux_binary(self.boot_dir)), "host", "--vm", str(d / "vm.sock"),
+                    "--listen", str(d / "agent.sock"), "--config", str(d / "config")]  # fmt: skip
+        with open(d / "mux.log", "wb") as mux_log:
+            mux = subprocess.Popen(mux_argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                   stderr=mux_log, start_new_session=True)  # fmt: skip
+        handle["mux_pid"] = mux.pid
+        (d / "handle.json").write_text(json.dumps(handle))
+        return qemu
+
+    def _write_config(self, d: Path, spec: SandboxSpec) -> None:
+        fields = [f"hostname={spec.hostname}", f"cwd={spec.working_dir or '/'}"]
+        fields += [f"env={k}={v}" for k, v in spec.env.items() if "\0" not in k + v]
+        path = d / "config"
+        # The environment holds the sandbox's secrets: root's alone, never in QEMU's command line.
+        fd = os.open(path.with_name(".config.tmp"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "wb") as f:
+            f.write(b"".join(x.encode("utf-8", "surrogatepass") + b"\0" for x in fields))
+        os.replace(path.with_name(".config.tmp"), path)
+
+    def _qemu_argv(self, spec: SandboxSpec, handle: Handle, kern: boot.Kernel, initrd: Path, root: Path,
+                   disk: Path) -> list[str]:  # fmt: skip
+        accel = handle["accel"]
+        append = boot.KERNEL_ARGS + ("" if accel == "kvm" else " " + boot.TCG_ARGS)
+        d = Path(handle["dir"])
+        return [
+            self.qemu, "-name", f"hangar-{spec.id}", "-M", "microvm,x-option-roms=off",
+            "-accel", accel, "-cpu", "host" if accel == "kvm" else "max",
+            "-m", str(spec.memory_mb), "-smp", str(handle["vcpus"]),
+            "-nodefaults", "-no-user-config", "-nographic", "-no-reboot",
+            "-serial", f"file:{d / 'console.log'}",
+            "-kernel", str(kern.vmlinuz), "-initrd", str(initrd), "-append", append,
+            "-drive", f"id=root,file={root},format=raw,if=none,readonly=on", "-device", "virtio-blk-device,drive=root",
+            "-drive", f"id=disk,file={disk},format=raw,if=none,discard=unmap", "-device", "virtio-blk-device,drive=disk",
+            "-device", "virtio-serial-device",
+            "-chardev", f"socket,id=agent,path={d / 'vm.sock'},server=on,wait=off",
+            "-device", "virtserialport,chardev=agent,name=hangar",
+        ]  # fmt: skip
+
+    def _wait_up(self, handle: Handle, qemu: subprocess.Popen[bytes], limit: float) -> None:
+        client = self.agent(handle)
+        deadline = time.monotonic() + limit
+        while time.monotonic() < deadline:
+            if qemu.poll() is not None:
+                raise LauncherError(f"the microVM exited while booting (QEMU status {qemu.returncode}): "
+                                    f"{self._console_tail(handle)}")  # fmt: skip
+            try:
+                client.wait_listening(0.2)
+                return
+            except AgentError:
+                continue
+        raise LauncherError(f"the microVM's agent did not come up within {limit:.0f}s: "
+                            f"{self._console_tail(handle)}")  # fmt: skip
+
+    def _running(self, handle: Handle) -> bool:
+        return _pid_alive(int(handle.get("qemu_pid", 0)), f"hangar-{handle['id']}")
+
+    def _stop_processes(self, handle: Handle, graceful: bool = False) -> None:
+        """QEMU and the mux gone (with ``graceful``, the guest first ends its processes and
+        writes what it holds to its disk)."""
+        sandbox_id = handle["id"]
+        mux_pid = int(handle.get("mux_pid", 0))
+        if graceful and self._running(handle) and _pid_alive(mux_pid, sandbox_id):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(mux_pid, signal.SIGUSR1)  # the guest syncs, says bye, and the mux exits
+            deadline = time.monotonic() + 5.0
+            while _pid_alive(mux_pid, sandbox_id) and time.monotonic() < deadline:
+                time.sleep(0.02)
+        _kill(int(handle.get("qemu_pid", 0)), f"hangar-{sandbox_id}")
+        _kill(mux_pid, sandbox_id)
+        cgroups.remove(self.cgroup_parent, sandbox_id)
+        d = self._dir(sandbox_id)
+        for name in ("handle.json", "agent.sock", "vm.sock"):
+            (d / name).unlink(missing_ok=True)
+
+    def suspend(self, handle: Handle, keep_files: bool = True) -> None:
+        sandbox_id = handle["id"]
+        with self._lock(sandbox_id):
+            self._stop_processes(self.handle_for(sandbox_id) | handle, graceful=keep_files)
+            if not keep_files:
+                (self._dir(sandbox_id) / "disk.img").unlink(missing_ok=True)
+
+    def destroy(self, handle: Handle) -> None:
+        sandbox_id = handle["id"]
+        with self._lock(sandbox_id):
+            self._stop_processes(self.handle_for(sandbox_id) | handle)
+            shutil.rmtree(self._dir(sandbox_id), ignore_errors=True)
+        with contextlib.suppress(OSError):
+            (self.sandboxes_dir / f".{sandbox_id}.lock").unlink()
+
+    def set_network(self, handle: Handle, policy: dict[str, Any]) -> None:
+        if (policy or {}).get("egress", "none") != "none":
+            raise LauncherError(f"the {self.name} runtime gives sandboxes no network (yet)")
+        # egress none on a VM with no network: nothing to change
+
+    # -- inspection -----------------------------------------------------------------------
+
+    def _agent_answers(self, handle: Handle) -> bool:
+        try:
+            self.agent(handle).ping()
+            return True
+        except AgentError:
+            return False
+
+    def state(self, handle: Handle) -> RuntimeState:
+        d = self._dir(handle["id"])
+        if not d.exists():
+            return RuntimeState("missing", "the runtime has no such sandbox")
+        if "qemu_pid" not in handle:
+            handle = self.handle_for(handle["id"]) | handle
+        if self._running(handle):
+            return RuntimeState("running")
+        return RuntimeState("stopped", self._exit_reason(handle))
+
+    def _exit_reason(self, handle: Handle) -> str:
+        try:
+            console = (self._dir(handle["id"]) / "console.log").read_bytes()[-65536:]
+        except OSError:
+            console = b""
+        if OOM_MARK in console:
+            return (f"out of memory: the sandbox exceeded its memory limit of {handle.get('memory_mb', '?')} MB "
+                    "and was killed")  # fmt: skip
+        return "the sandbox's virtual machine stopped"
+
+    def states(self) -> dict[str, RuntimeState]:
+        if not self.sandboxes_dir.exists():
+            return {}
+        ids = sorted(
+            p.name for p in self.sandboxes_dir.iterdir() if p.is_dir() and not p.name.startswith(".")
+        )
+        return {sandbox_id: self.state(self.handle_for(sandbox_id)) for sandbox_id in ids}
+
+    def stats(self, handle: Handle) -> Stats:
+        handle = self.handle_for(handle["id"]) | handle
+        if not self._running(handle):
+            raise self._unreachable(handle)
+        cpu = 0.0
+        with contextlib.suppress(OSError, IndexError, ValueError):
+            with open(f"/proc/{handle['qemu_pid']}/stat", "rb") as f:
+                fields = f.read().rsplit(b")", 1)[1].split()
+            cpu = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        # Memory and disk as the guest sees them (QEMU's own RSS counts pages the guest freed).
+        info: dict[str, int] = {}
+        with contextlib.suppress(LauncherError):
+            meminfo = self.agent(handle).read_file("/proc/meminfo").decode()
+            for line in meminfo.splitlines():
+                key, _, rest = line.partition(":")
+                info[key] = int(rest.split()[0]) * 1024 if rest.split() else 0
+        disk_used = disk_total = 0
+        with contextlib.suppress(LauncherError, ValueError, IndexError):
+            r = self.exec(handle, ExecRequest(argv=["df", "-k", "/"], timeout=10))
+            cols = r.stdout.decode().splitlines()[1].split()
+            disk_total, disk_used = int(cols[1]) * 1024, int(cols[2]) * 1024
+        return Stats(
+            cpu_seconds=cpu,
+            memory_bytes=info.get("MemTotal", 0) - info.get("MemAvailable", 0),
+            memory_limit_bytes=int(handle.get("memory_mb", 0)) * 1024 * 1024,
+            disk_bytes=disk_used,
+            disk_limit_bytes=disk_total,
+        )
+
+    def console_tail(self, handle: Handle) -> str:
+        """The last of what the guest kernel wrote to its console (at most 500 bytes)."""
+        return self._console_tail(handle)
+
+    def _console_tail(self, handle: Handle) -> str:
+        try:
+            with open(self._dir(handle["id"]) / "console.log", "rb") as log:
+                log.seek(max(0, log.seek(0, os.SEEK_END) - 500))
+                return log.read(500).decode(errors="replace").strip()
+        except OSError:
+            return ""
+
+    def _exists(self, handle: Handle) -> bool:
+        return self._dir(handle["id"]).exists()
+
+    def _lost(self, handle: Handle) -> LauncherError:
+        return self._unreachable(handle)
+
+    def _unreachable(self, handle: Handle, exc: Exception | None = None) -> LauncherError:
+        handle = self.handle_for(handle["id"]) | handle
+        # The mux sees the port close a moment before QEMU's exit is visible: give it that moment.
+        deadline = time.monotonic() + 2.0
+        while self._running(handle) and time.monotonic() < deadline and not self._agent_answers(handle):
+            time.sleep(0.05)
+        st = self.state(handle)
+        if st.status == "missing":
+            return SandboxGone(f"sandbox {handle['id']} is not on this node")
+        if st.status != "running":
+            return SandboxNotRunning(f"sandbox {handle['id']} is {st.status}: {st.reason}", reason=st.reason)
+        return LauncherError(f"the sandbox's agent did not answer: {exc or 'no reason given'}")

@@ -1,0 +1,158 @@
+"""The microVM launcher's own behaviour, with real QEMU and the real guest kernel (what every
+launcher does is the conformance suite's: tests/launchers/test_conformance.py). Boots are
+costly under TCG: most tests share one sandbox."""
+
+from __future__ import annotations
+
+import os
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from runtime.launchers.base import ExecRequest, LauncherError, Mount, SandboxSpec
+from runtime.launchers.microvm import boot, cgroups
+from runtime.launchers.microvm.launcher import MicroVMLauncher
+from tests.launchers.helpers import make_launcher, remove_all
+
+pytestmark = [
+    pytest.mark.skipif(
+        os.geteuid() != 0, reason="needs root (QEMU's disks and sockets in a root-only state dir)"
+    ),
+    pytest.mark.skipif(boot.missing() is not None, reason=f"no microVM support here: {boot.missing()}"),
+    pytest.mark.slow,
+]
+
+
+@pytest.fixture(scope="module")
+def launcher(tmp_path_factory, agent_cache_dir) -> Iterator[MicroVMLauncher]:
+    launcher = make_launcher("microvm", tmp_path_factory.mktemp("microvm"), agent_cache_dir)
+    assert isinstance(launcher, MicroVMLauncher)
+    yield launcher
+    remove_all(launcher)
+
+
+@pytest.fixture(scope="module")
+def busybox(image_store):
+    return image_store.build_busybox()
+
+
+def spec(busybox, **kw) -> SandboxSpec:
+    kw.setdefault("memory_mb", 256)
+    return SandboxSpec(id="t" + uuid.uuid4().hex[:12], rootfs=busybox.rootfs, **kw)
+
+
+@pytest.fixture(scope="module")
+def vm(launcher, busybox) -> Iterator[dict]:
+    """One VM of 2 vCPUs (cpu 1.5, rounded up) and 192 MB, with a secret in its environment."""
+    handle = launcher.create(
+        spec(busybox, cpu=1.5, memory_mb=192, env={"TOKEN": "s3cr3t-value"}, hostname="vmbox")
+    )
+    yield handle
+    launcher.destroy(handle)
+
+
+def sh(launcher, handle, script: str, **kw) -> bytes:
+    r = launcher.exec(handle, ExecRequest(argv=["/bin/sh", "-c", script], **kw))
+    assert r.exit_code == 0, r
+    return bytes(r.stdout)
+
+
+def test_the_guest_runs_the_node_s_microvm_kernel(launcher, vm):
+    release = sh(launcher, vm, "uname -r").decode().strip()
+    assert release == boot.kernel().version
+    assert release not in (os.uname().release, "4.4.0")  # neither the host's nor gVisor's
+
+
+def test_vcpus_and_memory_are_what_was_asked(launcher, vm):
+    assert sh(launcher, vm, "grep -c ^processor /proc/cpuinfo").strip() == b"2"
+    mem_kb = int(sh(launcher, vm, "grep MemTotal /proc/meminfo").split()[1])
+    # The guest's RAM is the request, less what the kernel keeps for itself.
+    assert 140 * 1024 < mem_kb <= 192 * 1024, mem_kb
+
+
+def test_a_fractional_cpu_is_a_quota_on_qemu_s_vcpus(launcher, vm):
+    assert cgroups.quota(launcher.cgroup_parent, vm["id"]) == 1.5
+    assert vm["qemu_pid"] in cgroups.pids(launcher.cgroup_parent, vm["id"])
+
+
+def test_the_sandbox_sees_only_its_own_processes(launcher, vm):
+    ps = sh(launcher, vm, "ps -o pid,args").decode()
+    assert "kthreadd" not in ps and "hangar-mux" not in ps and "/init" not in ps
+    assert len(ps.strip().splitlines()) < 10
+    assert sh(launcher, vm, "hostname").strip() == b"vmbox"
+
+
+def test_env_reaches_commands_but_never_qemu_s_command_line(launcher, vm):
+    assert sh(launcher, vm, "echo $TOKEN").strip() == b"s3cr3t-value"
+    with open(f"/proc/{vm['qemu_pid']}/cmdline", "rb") as f:
+        assert b"s3cr3t" not in f.read()
+    config = Path(vm["dir"]) / "config"
+    assert config.stat().st_mode & 0o077 == 0
+
+
+def test_files_round_trip_through_the_port(launcher, vm):
+    data = os.urandom(3_000_000)
+    assert launcher.write_file(vm, "/root/blob", data) == len(data)
+    entry, chunks = launcher.read_file(vm, "/root/blob")
+    assert entry.size == len(data) and b"".join(chunks) == data
+    assert {e.name for e in launcher.list_files(vm, "/root")} >= {"blob"}
+
+
+def test_stats_count_qemu_s_cpu_and_the_guest_s_memory(launcher, vm):
+    stats = launcher.stats(vm)
+    assert stats.cpu_seconds > 0
+    assert 0 < stats.memory_bytes < 192 << 20
+    assert stats.memory_limit_bytes == 192 << 20
+
+
+def test_a_fresh_launcher_re_adopts_the_running_vm(launcher, vm, agent_cache_dir):
+    fresh = make_launcher("microvm", launcher.state_dir, agent_cache_dir)
+    assert fresh.states()[vm["id"]].status == "running"
+    assert sh(fresh, fresh.handle_for(vm["id"]), "echo by id") == b"by id\n"
+
+
+def test_what_a_spec_asks_beyond_the_runtime_is_refused(launcher, busybox, tmp_path):
+    with pytest.raises(LauncherError, match="no network"):
+        launcher.create(spec(busybox, network={"egress": "all", "allow": []}))
+    with pytest.raises(LauncherError, match="volumes"):
+        launcher.create(spec(busybox, mounts=(Mount(str(tmp_path), "/data"),)))
+    with pytest.raises(LauncherError, match="cannot checkpoint"):
+        launcher.checkpoint({"id": "x"})
+
+
+def test_suspend_keeps_the_disk_and_destroy_leaves_nothing(launcher, busybox):
+    s = spec(busybox, disk_mb=128)
+    handle = launcher.create(s)
+    sh(launcher, handle, "echo kept > /root/f; sleep 600 &")
+    qemu_pid = handle["qemu_pid"]
+    launcher.suspend(handle)
+    assert not Path(f"/proc/{qemu_pid}").exists()
+    assert launcher.states()[s.id].status == "stopped"
+    handle = launcher.create(s)
+    assert sh(launcher, handle, "cat /root/f") == b"kept\n"
+    assert b"sleep 600" not in sh(launcher, handle, "ps -o args")
+    qemu_pid, mux_pid = handle["qemu_pid"], handle["mux_pid"]
+    launcher.destroy(handle)
+    launcher.destroy(handle)  # twice is harmless
+    assert not Path(f"/proc/{qemu_pid}").exists() and not Path(f"/proc/{mux_pid}").exists()
+    assert not cgroups.cgroup_dir(launcher.cgroup_parent, s.id).exists()
+    assert not (launcher.sandboxes_dir / s.id).exists()
+    assert s.id not in launcher.states()
+
+
+def test_the_kvm_probe_answers_in_bounded_time(launcher):
+    """Where /dev/kvm cannot run the guest kernel (this host's paravirtual KVM spins in it), the
+    probe gives up within its timeout instead of hanging; where it can, it says kvm."""
+    kern = boot.kernel()
+    initrd = boot.initramfs(launcher.boot_dir, kern, launcher.agent_binary)
+    start = time.monotonic()
+    works = boot.kvm_works(
+        launcher.boot_dir, kern, initrd, timeout=8.0, memo_dir=launcher.state_dir / "probe"
+    )
+    assert time.monotonic() - start < 15
+    assert launcher.capabilities().kvm is (launcher.accel() == "kvm")
+    if not os.path.exists("/dev/kvm"):
+        assert works is False
