@@ -41,6 +41,8 @@
 #include <string.h>
 #include <sys/ioctl.h>
 #include <sys/mount.h>
+#include <sys/prctl.h>
+#include <sys/sysmacros.h>
 #include <sys/reboot.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
@@ -670,6 +672,43 @@ static int guest_test_main(const char *listen_port, const char *agent)
 
 /* -- init ------------------------------------------------------------------------------------- */
 
+/* The sandbox's /dev, in the agent's mount namespace: the harmless nodes only, as gVisor's (the
+ * VM's own devices, its disks, memory and consoles, stay in init's namespace), and without the
+ * capabilities to make or use others (mknod, raw I/O, kernel modules). */
+static void must_mount(const char *src, const char *dst, const char *type, unsigned long flags, const char *data);
+
+static void sandbox_dev(void)
+{
+    static const struct {
+        const char *name;
+        unsigned maj, min;
+    } nodes[] = {{"null", 1, 3}, {"zero", 1, 5}, {"full", 1, 7}, {"random", 1, 8}, {"urandom", 1, 9}, {"tty", 5, 0}};
+    static const char *links[][2] = {{"/proc/self/fd", "/dev/fd"}, {"/proc/self/fd/0", "/dev/stdin"},
+                                     {"/proc/self/fd/1", "/dev/stdout"}, {"/proc/self/fd/2", "/dev/stderr"},
+                                     {"pts/ptmx", "/dev/ptmx"}};
+    umount2("/dev", MNT_DETACH);
+    must_mount("tmpfs", "/dev", "tmpfs", MS_NOSUID | MS_NOEXEC, "mode=0755,size=64k");
+    mode_t old = umask(0);
+    for (size_t i = 0; i < sizeof nodes / sizeof nodes[0]; i++) {
+        char path[32];
+        snprintf(path, sizeof path, "/dev/%s", nodes[i].name);
+        if (mknod(path, S_IFCHR | 0666, makedev(nodes[i].maj, nodes[i].min)) < 0)
+            die("mknod");
+    }
+    mkdir("/dev/pts", 0755);
+    mkdir("/dev/shm", 01777);
+    umask(old);
+    must_mount("devpts", "/dev/pts", "devpts", MS_NOSUID | MS_NOEXEC, "newinstance,ptmxmode=0666,mode=0620");
+    must_mount("tmpfs", "/dev/shm", "tmpfs", MS_NOSUID | MS_NODEV, "mode=1777");
+    for (size_t i = 0; i < sizeof links / sizeof links[0]; i++)
+        if (symlink(links[i][0], links[i][1]) < 0)
+            die("symlink");
+    static const int drop[] = {27 /* CAP_MKNOD */, 17 /* CAP_SYS_RAWIO */, 16 /* CAP_SYS_MODULE */};
+    for (size_t i = 0; i < sizeof drop / sizeof drop[0]; i++)
+        if (prctl(PR_CAPBSET_DROP, drop[i], 0, 0, 0) < 0)
+            die("capbset");
+}
+
 static void must_mount(const char *src, const char *dst, const char *type, unsigned long flags, const char *data)
 {
     mkdir(dst, 0755);
@@ -902,6 +941,7 @@ static int init_main(void)
         mount(NULL, "/", NULL, MS_REC | MS_PRIVATE, NULL);
         umount2("/proc", MNT_DETACH);
         must_mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, NULL);
+        sandbox_dev();
         int null = open("/dev/null", O_RDWR);
         if (null >= 0) {
             dup2(null, 0);
