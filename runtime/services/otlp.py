@@ -12,6 +12,7 @@ from __future__ import annotations
 import base64
 import binascii
 import json
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -61,6 +62,9 @@ def value(v: Any) -> Any:
         return s.replace("\x00", "\ufffd") if "\x00" in s else s
     if kind is None:
         return None
+    if kind == "double_value":
+        d = v.double_value
+        return d if math.isfinite(d) else str(d)  # JSON (and jsonb) has no NaN or infinity
     if kind == "array_value":
         return [value(x) for x in v.array_value.values]
     if kind == "kvlist_value":
