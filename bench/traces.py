@@ -393,7 +393,8 @@ def main() -> int:
     ctx = mp.get_context("spawn")
     workers, procs = [], []
     results: dict[str, object] = {"cpus": os.cpu_count(), "exporters": args.exporters, "batch": args.batch,
-                                  "batches_per_exporter": args.batches, "baseline": args.baseline}  # fmt: skip
+                                  "batches_per_exporter": args.batches, "baseline": args.baseline,
+                                  "loadavg_start": Path("/proc/loadavg").read_text().split()[:3]}  # fmt: skip
     try:
         for side in sides:
             print(f"starting the {side.name} server (migrating a fresh database)…", flush=True)
@@ -436,7 +437,9 @@ def main() -> int:
                            capture_output=True)  # fmt: skip
         shutil.rmtree(work, ignore_errors=True)
 
+    results["loadavg_end"] = Path("/proc/loadavg").read_text().split()[:3]
     print()
+    print(f"load average at the start and the end: {results['loadavg_start']} {results['loadavg_end']}")
     print(f"{'measure':58} " + " ".join(f"{s.name:>14}" for s in sides) + "   target")
     med = statistics.median
 

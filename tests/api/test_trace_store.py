@@ -183,3 +183,14 @@ def test_secrets_are_masked_in_a_shared_resource_and_in_text_columns_and_long_va
     whole = TraceValue.objects.get(id=masked.attributes["hangar.truncated.out"])
     assert whole.value == "y" * 300 + "***"
     assert TraceSpan.objects.get(team=team, name="clean").status_message == "bad ***"
+
+
+def test_a_nan_or_infinite_double_decodes_as_text():
+    req = ExportTraceServiceRequest()
+    span = req.resource_spans.add().scope_spans.add().spans.add()
+    span.trace_id, span.span_id = bytes(range(1, 17)), bytes(range(1, 9))
+    for key, number in (("a", math.nan), ("b", math.inf), ("c", 0.5)):
+        kv = span.attributes.add()
+        kv.key, kv.value.double_value = key, number
+    rows = otlp.span_rows(req).rows
+    assert rows[0]["attributes"] == {"a": "nan", "b": "inf", "c": 0.5}
