@@ -227,14 +227,15 @@ class Side:
             return conn.execute(sql).fetchall()
 
 
-def _fresh_database(url: str) -> None:
+def _fresh_database(url: str, create: bool = True) -> None:
     import psycopg
 
     parsed = urlparse(url)
     name = parsed.path.lstrip("/")
     with psycopg.connect(parsed._replace(path="/postgres").geturl(), autocommit=True) as conn:
         conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
-        conn.execute(f'CREATE DATABASE "{name}"')
+        if create:
+            conn.execute(f'CREATE DATABASE "{name}"')
 
 
 def _cpu_s(pid: int) -> float:
@@ -432,6 +433,7 @@ def main() -> int:
             proc.join(10)
         for side in sides:
             side.stop()
+            _fresh_database(side.database_url, create=False)  # nothing of the bench's is left behind
         if args.baseline:
             subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(work / "baseline-src")],
                            capture_output=True)  # fmt: skip

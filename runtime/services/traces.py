@@ -94,16 +94,18 @@ def _prepared(team_id: int, rows: list[dict[str, Any]]) -> _Batch:
     probes = [_encode(v)[1:-1] for v in values]
     limit = int(settings.HANGAR_TRACE_VALUE_BYTES)
     out = _Batch()
-    resource_seen: dict[int, bool] = {}  # id(resource) → mentions a secret; a resource is shared by its spans
+    # (id(resource), id(scope)) → whether they mention a secret: each is shared by its spans.
+    shared_seen: dict[tuple[int, int], bool] = {}
     for row in rows:
         attrs_js, events, links = _json(row["attributes"]), row["events"], row["links"]
         events_js = _json(events) if events else "[]"
         links_js = _json(links) if links else "[]"
         if mask is not None:
-            resource = row["resource"]
-            mentions = resource_seen.get(id(resource))
+            shared = (id(row["resource"]), id(row["scope"]))
+            mentions = shared_seen.get(shared)
             if mentions is None:
-                mentions = resource_seen[id(resource)] = any(p in _json(resource) for p in probes)
+                both = _json(row["resource"]) + _json(row["scope"])
+                mentions = shared_seen[shared] = any(p in both for p in probes)
             encoded = (attrs_js, events_js, links_js)
             text = (row["name"], row["status_message"])
             if (mentions or any(p in e for p in probes for e in encoded)

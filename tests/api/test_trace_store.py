@@ -174,15 +174,19 @@ def test_secrets_are_masked_in_a_shared_resource_and_in_text_columns_and_long_va
     leaky = {"service.name": "agent", "env": 'TOKEN=tok"en-\\42'}
     rows = [_row(trace_id, "clean", n=1), _row(trace_id, 'say tok"en-\\42', out="y" * 300 + 'tok"en-\\42')]
     rows[1]["resource"] = leaky
+    rows.append(_row(trace_id, "scoped"))
+    rows[2]["scope"] = {"name": 'lib tok"en-\\42', "version": "1"}
     rows[0]["status_message"] = 'bad tok"en-\\42'
     traces.spans_store(team=team, decoded=otlp.Decoded(rows=rows))
-    assert "en-\\42" not in json.dumps(list(TraceSpan.objects.filter(team=team).values()), default=str)
+    assert "tok" not in json.dumps(list(TraceSpan.objects.filter(team=team).values()), default=str)
     masked = TraceSpan.objects.get(team=team, name="say ***")
     assert masked.resource == {"service.name": "agent", "env": "TOKEN=***"}
     assert len(masked.attributes["out"]) == 256
     whole = TraceValue.objects.get(id=masked.attributes["hangar.truncated.out"])
     assert whole.value == "y" * 300 + "***"
-    assert TraceSpan.objects.get(team=team, name="clean").status_message == "bad ***"
+    clean = TraceSpan.objects.get(team=team, name="clean")
+    assert clean.status_message == "bad ***"
+    assert TraceSpan.objects.get(team=team, name="scoped").scope == {"name": "lib ***", "version": "1"}
 
 
 def test_a_nan_or_infinite_double_decodes_as_text():
