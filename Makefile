@@ -6,7 +6,7 @@ PORT ?= 8000
 # The e2b SDK a year older than the one in the test extra, which tests/e2b/test_older_sdk.py runs.
 E2B_OLDER := 2.8.1
 
-.PHONY: up install system-deps test-deps venv test lint bench-tti bench-dashboard bench-pause bench-pools bench-network bench-harness bench-e2b bench-reliability bench-microvm services
+.PHONY: up install system-deps test-deps venv test lint bench-tti bench-dashboard bench-pause bench-pools bench-network bench-harness bench-e2b bench-reliability bench-microvm bench-traces services
 
 up: install
 	$(VENV)/bin/hangar image build busybox
@@ -73,3 +73,6 @@ bench-reliability: install
 
 bench-microvm: install
 	$(PY) bench/microvm.py
+
+bench-traces: install
+	$(PY) bench/traces.py

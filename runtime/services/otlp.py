@@ -12,6 +12,7 @@ from __future__ import annotations
 import base64
 import binascii
 import json
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -46,12 +47,24 @@ class Decoded:
     errors: list[str] = field(default_factory=list)
 
 
+def text(s: str) -> str:
+    """``s`` without NUL characters (U+FFFD in their place): Postgres's text and jsonb cannot
+    hold one, and a receiver should not refuse a whole export request for one."""
+    return s.replace("\x00", "\ufffd") if "\x00" in s else s
+
+
 def value(v: Any) -> Any:
     """An OTLP ``AnyValue`` as its JSON type: ``123``, ``true``, ``"text"``, lists, objects;
     bytes as base64."""
     kind = v.WhichOneof("value")
+    if kind == "string_value":
+        s = v.string_value
+        return s.replace("\x00", "\ufffd") if "\x00" in s else s
     if kind is None:
         return None
+    if kind == "double_value":
+        d = v.double_value
+        return d if math.isfinite(d) else str(d)  # JSON (and jsonb) has no NaN or infinity
     if kind == "array_value":
         return [value(x) for x in v.array_value.values]
     if kind == "kvlist_value":
@@ -62,7 +75,10 @@ def value(v: Any) -> Any:
 
 
 def attributes(kvs: Any) -> dict[str, Any]:
-    return {kv.key: value(kv.value) for kv in kvs}
+    out = {kv.key: value(kv.value) for kv in kvs}
+    if "\x00" in "".join(out):
+        return {text(k): v for k, v in out.items()}
+    return out
 
 
 def _hex(raw: bytes, size: int) -> str | None:
@@ -158,24 +174,24 @@ def span_rows(request: Any) -> Decoded:
         resource = attributes(rs.resource.attributes)
         service = str(resource.get("service.name") or "")[:255]
         for ss in rs.scope_spans:
-            scope = {"name": ss.scope.name, "version": ss.scope.version}
+            scope = {"name": text(ss.scope.name), "version": text(ss.scope.version)}
             for span in ss.spans:
                 trace_id, span_id = _hex(span.trace_id, 16), _hex(span.span_id, 8)
                 if trace_id is None or span_id is None:
                     out.rejected += 1
-                    out.errors.append(f"span {span.name[:60]!r} has no valid trace or span id")
+                    out.errors.append(f"span {text(span.name[:60])!r} has no valid trace or span id")
                     continue
                 parent = _hex(span.parent_span_id, 8) or ""
                 attrs = attributes(span.attributes)
                 out.rows.append({
                     "trace_id": trace_id, "span_id": span_id, "parent_span_id": parent,
-                    "name": span.name[:255] or "(unnamed)", "kind": int(span.kind),
+                    "name": text(span.name[:255]) or "(unnamed)", "kind": int(span.kind),
                     "start_ns": int(span.start_time_unix_nano),
                     "end_ns": max(int(span.end_time_unix_nano), int(span.start_time_unix_nano)),
-                    "status_code": int(span.status.code), "status_message": span.status.message,
+                    "status_code": int(span.status.code), "status_message": text(span.status.message),
                     "attributes": attrs,
                     "events": [
-                        {"name": e.name, "time_ns": int(e.time_unix_nano), "attributes": attributes(e.attributes)}
+                        {"name": text(e.name), "time_ns": int(e.time_unix_nano), "attributes": attributes(e.attributes)}
                         for e in span.events
                     ],
                     "links": [
@@ -206,7 +222,7 @@ def log_rows(request: Any) -> Decoded:
                 out.rows.append({
                     "trace_id": trace_id, "span_id": _hex(record.span_id, 8) or "",
                     "time_ns": int(record.time_unix_nano or record.observed_time_unix_nano),
-                    "severity_number": int(record.severity_number), "severity_text": record.severity_text[:32],
+                    "severity_number": int(record.severity_number), "severity_text": text(record.severity_text[:32]),
                     "body": value(record.body) if record.HasField("body") else None,
                     "attributes": attrs, "resource": resource, "service": service,
                     "sandbox_id": _tied(attrs, resource, SANDBOX_KEY), "run_id": _tied(attrs, resource, RUN_KEY),

@@ -15,7 +15,6 @@ from collections.abc import Iterable
 import redis
 from django.db import transaction
 
-from ..models import TraceSpan
 from ..notify import redis_client
 
 log = logging.getLogger(__name__)
@@ -25,17 +24,17 @@ def trace_channel(team_id: int, trace_id: str) -> str:
     return f"hangar:trace:{team_id}:{trace_id}"
 
 
-def spans_stored(*, team_id: int, spans: Iterable[TraceSpan]) -> None:
-    """Called by the store with the spans it just inserted (their ids set): their traces' live
-    pages hear of them once the current transaction commits."""
+def spans_stored(*, team_id: int, spans: Iterable[tuple[str, int | None]]) -> None:
+    """Called by the store with the spans it just inserted, as (trace id, row id): their traces'
+    live pages hear of them once the current transaction commits."""
     ranges: dict[str, tuple[int, int]] = {}
-    for s in spans:
-        if s.pk is None:  # a database that does not return ids: the page reads what is new
-            ranges[s.trace_id] = (0, 0)
+    for trace_id, pk in spans:
+        if pk is None:  # a database that does not return ids: the page reads what is new
+            ranges[trace_id] = (0, 0)
             continue
-        lo, hi = ranges.get(s.trace_id, (s.pk, s.pk))
+        lo, hi = ranges.get(trace_id, (pk, pk))
         if lo:
-            ranges[s.trace_id] = (min(lo, s.pk), max(hi, s.pk))
+            ranges[trace_id] = (min(lo, pk), max(hi, pk))
     if ranges:
         transaction.on_commit(lambda: _publish(team_id, ranges))
 

@@ -1,22 +1,26 @@
 """Traces: spans and log records stored per team (from OTLP, :mod:`.otlp`), read back as a
 list of traces and as one trace's spans and logs, and pruned after their retention.
 
-Storing is one transaction per export request: the spans in one bulk insert, each trace's
-summary (:class:`runtime.models.Trace`) created or grown in place, so concurrent batches of one
-trace add up. The team's secrets' values are masked out of every string first, as they are in
-run output; a string attribute over ``HANGAR_TRACE_VALUE_BYTES`` is cut, and kept whole beside
-the trace (``hangar.truncated.<key>`` names where)."""
+Storing is one transaction per export request: the spans in one bulk write (a ``COPY`` on
+Postgres, :mod:`.trace_copy`; ``bulk_create`` elsewhere), each trace's summary
+(:class:`runtime.models.Trace`) created or grown in place, so concurrent batches of one trace add
+up. The team's secrets' values are masked out of every string first, as they are in run output
+(a span whose encoded values mention none is stored as it came); a string attribute over
+``HANGAR_TRACE_VALUE_BYTES`` is cut, and kept whole beside the trace (``hangar.truncated.<key>``
+names where)."""
 
 from __future__ import annotations
 
 import json
+import math
 from collections import defaultdict
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from django.conf import settings
-from django.db import transaction
+from django.db import connection, transaction
 from django.db.models import F, Q, QuerySet
 from django.db.models.functions import Greatest, Least
 from django.utils import timezone
@@ -24,7 +28,7 @@ from django.utils import timezone
 from ..errors import InvalidValue, NotFound
 from ..models import Team, Trace, TraceLog, TraceSpan, TraceValue
 from . import secrets as secret_svc
-from . import trace_live, trace_search
+from . import trace_copy, trace_live, trace_search
 from .otlp import Decoded
 
 MAX_LIST = 1000
@@ -33,12 +37,27 @@ CHUNK = 1000  # rows per delete when pruning
 
 # -- storing ------------------------------------------------------------------------------------
 
+_encode = json.JSONEncoder(separators=(",", ":"), allow_nan=False).encode
 
-def _masker(team_id: int) -> Any:
-    values = sorted({v for v in secret_svc.team_values(team_id=team_id) if v}, key=len, reverse=True)
-    if not values:
-        return lambda x: x
 
+def _finite(x: Any) -> Any:
+    if isinstance(x, float) and not math.isfinite(x):
+        return str(x)  # JSON (and Postgres's jsonb) has no NaN or infinity: "nan", "inf"
+    if isinstance(x, list):
+        return [_finite(i) for i in x]
+    if isinstance(x, dict):
+        return {k: _finite(i) for k, i in x.items()}
+    return x
+
+
+def _json(x: Any) -> str:
+    try:
+        return _encode(x)
+    except ValueError:
+        return _encode(_finite(x))
+
+
+def _masker(values: list[str]) -> Any:
     def mask(x: Any) -> Any:
         if isinstance(x, str):
             for v in values:
@@ -54,69 +73,145 @@ def _masker(team_id: int) -> Any:
     return mask
 
 
-def _bounded(
-    team_id: int, trace_id: str, attrs: dict[str, Any], later: list[tuple[str, TraceValue]]
-) -> dict[str, Any]:
+@dataclass
+class _Batch:
+    """An export request's spans as stored: masked, bounded, with their traces' summaries."""
+
+    rows: list[dict[str, Any]] = field(default_factory=list)
+    # JSON of each row's attributes, events and links, where Postgres's COPY will want it.
+    encoded: list[tuple[str, str, str]] = field(default_factory=list)
+    # (row's index, attribute, whole value) for each attribute cut at HANGAR_TRACE_VALUE_BYTES.
+    long: list[tuple[int, str, str]] = field(default_factory=list)
+    summary: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+
+def _prepared(team_id: int, rows: list[dict[str, Any]]) -> _Batch:
+    # The team's secrets' values, longest first, and as they read inside a JSON string: a string
+    # that holds one holds it JSON-escaped once encoded, so a row whose encoded values and text
+    # mention none (the usual case: one substring search each) is stored as it came.
+    values = sorted({v for v in secret_svc.team_values(team_id=team_id) if v}, key=len, reverse=True)
+    mask = _masker(values) if values else None
+    probes = [_encode(v)[1:-1] for v in values]
     limit = int(settings.HANGAR_TRACE_VALUE_BYTES)
-    out = dict(attrs)
-    for key, v in attrs.items():
-        if isinstance(v, str) and len(v) > limit:
-            out[key] = v[:limit]
-            later.append((key, TraceValue(team_id=team_id, trace_id=trace_id, value=v)))
-    return out
-
-
-def spans_store(*, team: Team, decoded: Decoded) -> int:
-    """Store the decoded spans for ``team``; returns how many."""
-    if not decoded.rows:
-        return 0
-    mask = _masker(team.id)
-    spans: list[TraceSpan] = []
-    big: list[tuple[TraceSpan, list[tuple[str, TraceValue]]]] = []
-    summary: dict[str, dict[str, Any]] = {}
-    for row in decoded.rows:
-        row = mask(row)
-        later: list[tuple[str, TraceValue]] = []
-        row["attributes"] = _bounded(team.id, row["trace_id"], row["attributes"], later)
-        span = TraceSpan(team=team, **row)
-        spans.append(span)
-        if later:
-            big.append((span, later))
-        s = summary.setdefault(row["trace_id"], {"n": 0, "errors": 0, "start": row["start_ns"],
-                                                 "end": row["end_ns"], "root": None, "service": row["service"]})  # fmt: skip
+    out = _Batch()
+    # (id(resource), id(scope)) → whether they mention a secret: each is shared by its spans.
+    shared_seen: dict[tuple[int, int], bool] = {}
+    for row in rows:
+        attrs_js, events, links = _json(row["attributes"]), row["events"], row["links"]
+        events_js = _json(events) if events else "[]"
+        links_js = _json(links) if links else "[]"
+        if mask is not None:
+            shared = (id(row["resource"]), id(row["scope"]))
+            mentions = shared_seen.get(shared)
+            if mentions is None:
+                both = _json(row["resource"]) + _json(row["scope"])
+                mentions = shared_seen[shared] = any(p in both for p in probes)
+            encoded = (attrs_js, events_js, links_js)
+            text = (row["name"], row["status_message"])
+            if (mentions or any(p in e for p in probes for e in encoded)
+                    or any(v in t for v in values for t in text)):  # fmt: skip
+                row = mask(row)
+                attrs_js, events_js, links_js = (_json(row[k]) for k in ("attributes", "events", "links"))
+        if len(attrs_js) > limit:  # an encoded value is at least as long as the value
+            cut = {}
+            for key, v in row["attributes"].items():
+                if isinstance(v, str) and len(v) > limit:
+                    cut[key] = v[:limit]
+                    out.long.append((len(out.rows), key, v))
+            if cut:
+                row = {**row, "attributes": {**row["attributes"], **cut}}
+        out.rows.append(row)
+        out.encoded.append((attrs_js, events_js, links_js))
+        s = out.summary.get(row["trace_id"])
+        if s is None:
+            s = out.summary[row["trace_id"]] = {"n": 0, "errors": 0, "start": row["start_ns"],
+                                                "end": row["end_ns"], "root": None, "service": row["service"]}  # fmt: skip
         s["n"] += 1
         s["errors"] += row["status_code"] == 2
         s["start"], s["end"] = min(s["start"], row["start_ns"]), max(s["end"], row["end_ns"])
         if not row["parent_span_id"] and s["root"] is None:
             s["root"], s["service"] = row["name"], row["service"] or s["service"]
+    return out
+
+
+def _keep_long_values(team_id: int, batch: _Batch) -> None:
+    """Store each cut value whole and name it in its span's attributes."""
+    kept = TraceValue.objects.bulk_create(
+        [TraceValue(team_id=team_id, trace_id=batch.rows[i]["trace_id"], value=v) for i, _, v in batch.long]
+    )
+    for (i, key, _), value in zip(batch.long, kept, strict=True):
+        batch.rows[i]["attributes"][f"hangar.truncated.{key}"] = value.id
+    for i in {i for i, _, _ in batch.long}:
+        row = batch.rows[i]
+        batch.encoded[i] = (_json(row["attributes"]), *batch.encoded[i][1:])
+
+
+def _copied(team_id: int, batch: _Batch) -> list[tuple[str, int | None]]:
+    resources: dict[int, str] = {}  # a resource's JSON, once for all its spans
+    scopes: dict[int, str] = {}
+    rows = []
+    for row, (attrs_js, events_js, links_js) in zip(batch.rows, batch.encoded, strict=True):
+        resource, scope = row["resource"], row["scope"]
+        resource_js = resources.get(id(resource))
+        if resource_js is None:
+            resource_js = resources[id(resource)] = _json(resource)
+        scope_js = scopes.get(id(scope))
+        if scope_js is None:
+            scope_js = scopes[id(scope)] = _json(scope)
+        rows.append([
+            None, team_id, row["trace_id"], row["span_id"], row["parent_span_id"], row["name"], row["kind"],
+            row["start_ns"], row["end_ns"], row["status_code"], row["status_message"], attrs_js, events_js,
+            links_js, resource_js, scope_js, row["service"], row["sandbox_id"], row["run_id"], row["harness_id"],
+        ])  # fmt: skip
+    ids = trace_copy.spans_copy(rows)
+    return [(row["trace_id"], i) for row, i in zip(batch.rows, ids, strict=True)]
+
+
+def _created(team: Team, batch: _Batch) -> list[tuple[str, int | None]]:
+    spans = TraceSpan.objects.bulk_create([TraceSpan(team=team, **row) for row in batch.rows], batch_size=500)
+    return [(s.trace_id, s.pk) for s in spans]
+
+
+def _traces_grown(team: Team, summary: dict[str, dict[str, Any]]) -> None:
+    Trace.objects.bulk_create(
+        [Trace(team=team, trace_id=t, start_ns=s["start"], end_ns=s["end"], service=s["service"])
+         for t, s in sorted(summary.items())],
+        ignore_conflicts=True,
+    )  # fmt: skip
+    for trace_id, s in sorted(summary.items()):
+        changes: dict[str, Any] = {
+            "span_count": F("span_count") + s["n"], "error_count": F("error_count") + s["errors"],
+            "start_ns": Least(F("start_ns"), s["start"]), "end_ns": Greatest(F("end_ns"), s["end"]),
+            "updated_at": timezone.now(),
+        }  # fmt: skip
+        if s["root"] is not None:
+            changes.update(root_name=s["root"], service=s["service"])
+        Trace.objects.filter(team=team, trace_id=trace_id).update(**changes)
+
+
+def spans_store(*, team: Team, decoded: Decoded) -> int:
+    """Store the decoded spans for ``team`` in one transaction; returns how many."""
+    if not decoded.rows:
+        return 0
+    batch = _prepared(team.id, decoded.rows)
+    postgres = connection.vendor == "postgresql"
     with transaction.atomic():
-        for span, later in big:
-            TraceValue.objects.bulk_create([v for _, v in later])
-            for key, v in later:
-                span.attributes[f"hangar.truncated.{key}"] = v.id
-        TraceSpan.objects.bulk_create(spans, batch_size=500)
-        trace_live.spans_stored(team_id=team.id, spans=spans)  # live pages, once this commits
-        Trace.objects.bulk_create(
-            [Trace(team=team, trace_id=t, start_ns=s["start"], end_ns=s["end"], service=s["service"])
-             for t, s in summary.items()],
-            ignore_conflicts=True,
-        )  # fmt: skip
-        for trace_id, s in summary.items():
-            changes: dict[str, Any] = {
-                "span_count": F("span_count") + s["n"], "error_count": F("error_count") + s["errors"],
-                "start_ns": Least(F("start_ns"), s["start"]), "end_ns": Greatest(F("end_ns"), s["end"]),
-                "updated_at": timezone.now(),
-            }  # fmt: skip
-            if s["root"] is not None:
-                changes.update(root_name=s["root"], service=s["service"])
-            Trace.objects.filter(team=team, trace_id=trace_id).update(**changes)
-    return len(spans)
+        if batch.long:
+            _keep_long_values(team.id, batch)
+        stored = _copied(team.id, batch) if postgres else _created(team, batch)
+        trace_live.spans_stored(team_id=team.id, spans=stored)  # live pages, once this commits
+        if postgres:
+            trace_copy.traces_upsert(team.id, batch.summary)
+        else:
+            _traces_grown(team, batch.summary)
+    return len(batch.rows)
 
 
 def logs_store(*, team: Team, decoded: Decoded) -> int:
     if not decoded.rows:
         return 0
-    mask = _masker(team.id)
+    values = sorted({v for v in secret_svc.team_values(team_id=team.id) if v}, key=len, reverse=True)
+    mask = _masker(values) if values else (lambda x: x)
     TraceLog.objects.bulk_create([TraceLog(team=team, **mask(row)) for row in decoded.rows], batch_size=500)
     return len(decoded.rows)
 
