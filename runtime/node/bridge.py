@@ -350,7 +350,7 @@ class Bridge:
             info if info is not None else {"exit_code": None, "signal": 0, "timed_out": False, "error": error}
         ) | {"duration_ms": round(lp.duration_ms, 1)}
         lp.may_read.set()
-        lp.post(None, {"type": streams.EXIT, "key": lp.key, "end": lp.ring.end, "exit": lp.exit})
+        self._spawn(self._record_then_exit(lp))
         # Input it will never read: its senders need not wait for it.
         while not lp.stdin.empty():
             kind, msg = lp.stdin.get_nowait()
@@ -359,7 +359,13 @@ class Bridge:
                 self._spawn(self._ack_input(msg))
         with contextlib.suppress(Exception):
             lp.process.close()
-        # The row is written once the exit is on its way (see _send_loop).
+
+    async def _record_then_exit(self, lp: LiveProcess) -> None:
+        # The row first, as one statement: whoever hears of the exit and then asks for the
+        # process finds it ended. What else listens for the end (a run's) hears after the exit
+        # is sent (_send_loop), so that its queries are not on the way.
+        await asyncio.to_thread(_record_end, lp.key, lp.exit or {}, lp.ring, lp.duration_ms)
+        lp.post(None, {"type": streams.EXIT, "key": lp.key, "end": lp.ring.end, "exit": lp.exit})
 
     async def _send_loop(self, lp: LiveProcess) -> None:
         """One sender per process keeps its messages in order: replays and live chunks alike.
@@ -382,10 +388,8 @@ class Bridge:
                     await self.layer.send(channel, msg)
             except Exception as exc:  # a full channel: the follower sees the gap and re-attaches
                 log.debug("bridge: could not deliver to %s: %s", channel or group, exc)
-            if msg["type"] == streams.EXIT and lp.exit is not None:
-                # Written after the exit is sent, not beside it: the write (a thread holding the
-                # GIL, and SQLite's write lock) would delay the message its followers wait for.
-                self._spawn(asyncio.to_thread(_record_end, lp.key, lp.exit, lp.ring, lp.duration_ms))
+            if msg["type"] == streams.EXIT:
+                self._spawn(asyncio.to_thread(_announce_end, lp.key))
 
     def _attach(self, lp: LiveProcess, msg: dict[str, Any]) -> None:
         reply = msg["reply"]
@@ -534,6 +538,20 @@ def _record_end(key: str, info: dict[str, Any], ring: streams.OutputRing, durati
         process_record_end(key=key, info=info, ring=ring, duration_ms=duration_ms)
     except Exception:
         log.exception("bridge: could not record the end of %s", key)
+    finally:
+        close_old_connections()
+
+
+def _announce_end(key: str) -> None:
+    from django.db import close_old_connections
+
+    from ..services.processes import process_end_announce
+
+    close_old_connections()
+    try:
+        process_end_announce(key=key)
+    except Exception:
+        log.exception("bridge: could not announce the end of %s", key)
     finally:
         close_old_connections()
 

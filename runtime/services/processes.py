@@ -660,7 +660,8 @@ async def _stored_output(target: ProcessHandle, offset: int) -> AsyncIterator[tu
 def process_record_end(
     *, key: str, info: dict[str, Any], ring: streams.OutputRing, duration_ms: float
 ) -> None:
-    """Write a live process's outcome to its row (exit status, the kept tail of its output)."""
+    """Write a live process's outcome to its row (exit status, the kept tail of its output);
+    its node's bridge then sends the exit, then calls :func:`process_end_announce`."""
     now = timezone.now()
     error = info.get("error") or ""
     if key.startswith("x"):
@@ -673,12 +674,18 @@ def process_record_end(
             "stdout_bytes": ring.totals.get("stdout", 0), "stderr_bytes": ring.totals.get("stderr", 0),
             "error": error, "finished_at": now, "duration_ms": duration_ms,
         })  # fmt: skip
-        events.process_ended.send(exec_id=int(key[1:]))  # a run's process: the run finishes
     elif key.startswith("t"):
         Terminal.objects.filter(id=key[1:], status=Terminal.Status.RUNNING).update(
             status=Terminal.Status.EXITED if info.get("exit_code") is not None else Terminal.Status.FAILED,
             exit_code=info.get("exit_code"), error=error, ended_at=now,
         )  # fmt: skip
+
+
+def process_end_announce(*, key: str) -> None:
+    """A live process's end is recorded and sent: tell who listens (a run's process: the run
+    finishes)."""
+    if key.startswith("x"):
+        events.process_ended.send(exec_id=int(key[1:]))
 
 
 def _exec_update_running(exec_id: int, values: dict[str, Any]) -> int:

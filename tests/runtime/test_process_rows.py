@@ -1,14 +1,15 @@
 """What the node's bridge writes to a live exec's row, each in one statement: its pid as it
-starts (once), and its outcome when it ends (once, only over a running row) (real Postgres)."""
+starts (once), and its outcome when it ends (once, only over a running row), before it sends the
+exit; then it announces the end to who listens (real Postgres)."""
 
 from __future__ import annotations
 
 import pytest
 from django.utils import timezone
 
-from runtime import streams
+from runtime import events, streams
 from runtime.models import Exec, Sandbox, Team
-from runtime.services.processes import process_record_end, process_record_pid
+from runtime.services.processes import process_end_announce, process_record_end, process_record_pid
 
 
 @pytest.fixture
@@ -59,3 +60,15 @@ def test_end_is_written_once(row):
     process_record_end(key=key, info={"exit_code": 1}, ring=streams.OutputRing(16), duration_ms=2.0)
     row.refresh_from_db()
     assert (row.exit_code, row.duration_ms) == (0, 1.0)
+
+
+def test_recording_the_end_announces_nothing_and_the_announcement_names_the_exec(row, monkeypatch):
+    heard: list[int] = []
+    monkeypatch.setattr(events.process_ended, "receivers", [lambda *, exec_id: heard.append(exec_id)])
+    process_record_end(
+        key=streams.exec_key(row.id), info={"exit_code": 0}, ring=streams.OutputRing(16), duration_ms=1
+    )
+    assert heard == []
+    process_end_announce(key=streams.exec_key(row.id))
+    process_end_announce(key=streams.terminal_key("tm1"))
+    assert heard == [row.id]
