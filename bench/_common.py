@@ -68,9 +68,12 @@ class Hangar:
     password: str
 
 
-def start_hangar(data_dir: Path, port: int) -> Hangar:
+def start_hangar(
+    data_dir: Path, port: int, root: Path = ROOT, extra_env: dict[str, str] | None = None
+) -> Hangar:
     """`hangar up` on the embedded default in ``data_dir``; its first start prints the admin's
-    login and an API token, which this reads."""
+    login and an API token, which this reads. ``root``: the checkout whose code it runs (another
+    commit's, in a worktree of its own, for a before-and-after in one run)."""
     env = {
         k: v
         for k, v in os.environ.items()
@@ -78,9 +81,10 @@ def start_hangar(data_dir: Path, port: int) -> Hangar:
     }
     # 20 sandboxes of 1 cpu at once on a 2-core machine: let the scheduler overcommit that far.
     env.update(HANGAR_DATA_DIR=str(data_dir), PYTHONUNBUFFERED="1", HANGAR_CPU_OVERCOMMIT="16")
+    env.update(extra_env or {})
     proc = subprocess.Popen(
         [sys.executable, "-m", "dashboard.cli", "up", "--port", str(port)],
-        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )  # fmt: skip
     token = admin = password = ""
     assert proc.stdout is not None

@@ -9,6 +9,9 @@
     own ``POST …/exec`` on the same sandbox, interleaved.
 
 Targets (issue 21): (a) E2B's median at most 1.2 × Hangar's; (b) the SDK's median ≤ 25 ms.
+``--baseline DIR`` also starts a `hangar up` from another checkout (the parent commit, in a
+``git worktree`` of its own) and times (b) on both, alternating call by call (ABBA), so a
+change is measured against its parent under the same load.
 Starts its own `hangar up` on the embedded default in a temporary data dir unless --url and
 --token point at a running Hangar. Prints a table and writes JSON (default bench/results/e2b.json).
 Needs root and runsc.
@@ -105,6 +108,34 @@ def command_interleaved(api: httpx.Client, n: int) -> tuple[list[float], list[fl
     return own, sdk
 
 
+def commands_against_baseline(
+    ours: dict[str, str], theirs: dict[str, str], n: int
+) -> tuple[list[float], list[float]]:
+    """``commands.run("true")`` on one running sandbox of each Hangar (``api_url``,
+    ``sandbox_url``, ``api_key``), alternating ABBA: (this checkout's, the baseline's)."""
+    from e2b import Sandbox
+
+    boxes = [
+        Sandbox.create(IMAGE, timeout=TIMEOUT_S, allow_internet_access=False, **o) for o in (ours, theirs)
+    ]
+    times: tuple[list[float], list[float]] = ([], [])
+    try:
+        for sbx in boxes:
+            for _ in range(3):  # connection set-up and first-use costs are not what is measured
+                sbx.commands.run("true")
+        for i in range(n):
+            for k in (0, 1) if i % 2 == 0 else (1, 0):
+                start = time.perf_counter()
+                result = boxes[k].commands.run("true")
+                times[k].append(time.perf_counter() - start)
+                if result.exit_code != 0:
+                    raise RuntimeError(f"command failed: {result}")
+    finally:
+        for sbx in boxes:
+            sbx.kill()
+    return times
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -115,15 +146,21 @@ def main() -> int:
     parser.add_argument("--token")
     parser.add_argument("--port", type=int, default=8794)
     parser.add_argument("--json", default=str(ROOT / "bench" / "results" / "e2b.json"))
+    parser.add_argument(
+        "--baseline", help="another checkout (the parent commit's worktree) to time commands.run against"
+    )
     args = parser.parse_args()
 
     work = Path(tempfile.mkdtemp(prefix="hangar-bench-e2b-"))
-    hangar = None
+    hangar = baseline = None
+    # Two Hangars at once (--baseline): neither takes the host-wide ports (SSH gateway,
+    # hangar.internal), which the bench's sandboxes (no network, no harness) do not use.
+    side_by_side = {"HANGAR_SSH_PORT": "0", "HANGAR_SANDBOX_GATEWAY_PORT": "0"} if args.baseline else None
     results: dict[str, object] = {"n": args.n, "commands": args.commands, "cpus": os.cpu_count()}
     try:
         url, token = args.url, args.token
         if not url:
-            hangar = start_hangar(work / "data", args.port)
+            hangar = start_hangar(work / "data", args.port, extra_env=side_by_side)
             token, url = hangar.token, hangar.url
         os.environ.update(E2B_API_URL=f"{url}/e2b", E2B_SANDBOX_URL=f"{url}/e2b/envd", E2B_API_KEY=token)
         import e2b
@@ -144,12 +181,32 @@ def main() -> int:
             own, sdk = create_interleaved(api, args.n)
             print(f"one command on a running sandbox, {args.commands} each, interleaved…", flush=True)
             own_cmd, sdk_cmd = command_interleaved(api, args.commands)
+        if args.baseline:
+            baseline = start_hangar(
+                work / "baseline" / "data",
+                args.port + 1,
+                root=Path(args.baseline).resolve(),
+                extra_env=side_by_side,
+            )
+            print(
+                f"commands.run against the baseline ({args.baseline}), {args.commands} each, ABBA…",
+                flush=True,
+            )
+            ours_, theirs_ = (
+                {"api_url": f"{u}/e2b", "sandbox_url": f"{u}/e2b/envd", "api_key": k}
+                for u, k in ((url, token), (baseline.url, baseline.token))
+            )
+            after, before = commands_against_baseline(ours_, theirs_, args.commands)
+            results.update(baseline=args.baseline, ab_commands_run_after=summary(after),
+                           ab_commands_run_before=summary(before))  # fmt: skip
         results.update(
             hangar_create_first_command=summary(own), e2b_create_first_command=summary(sdk),
             ratio_create_median=statistics.median(sdk) / statistics.median(own),
             hangar_exec=summary(own_cmd), e2b_commands_run=summary(sdk_cmd),
         )  # fmt: skip
     finally:
+        if baseline is not None:
+            stop_hangar(baseline, work / "baseline")
         stop_hangar(hangar, work)
 
     def row(name: str, s: dict[str, float], unit: float, label: str) -> str:
@@ -162,6 +219,9 @@ def main() -> int:
     print(row("create + first command, E2B SDK", results["e2b_create_first_command"], 1000, "ms"))  # type: ignore[arg-type]
     print(row("exec `true`, Hangar API", results["hangar_exec"], 1000, "ms"))  # type: ignore[arg-type]
     print(row('commands.run("true"), E2B SDK', results["e2b_commands_run"], 1000, "ms"))  # type: ignore[arg-type]
+    if args.baseline:
+        print(row('commands.run("true"), this checkout (ABBA)', results["ab_commands_run_after"], 1000, "ms"))  # type: ignore[arg-type]
+        print(row('commands.run("true"), baseline (ABBA)', results["ab_commands_run_before"], 1000, "ms"))  # type: ignore[arg-type]
     ratio = results["ratio_create_median"]
     print(f"\nE2B / Hangar create + first command (medians): {ratio:.2f}× (target ≤ 1.2×)")
     write_results(args.json, results)

@@ -121,5 +121,57 @@ def test_it_loads_its_script_again_after_redis_forgets_it():
     run(check)
 
 
+def _counting(layer: RedisLayer) -> list[str]:
+    """The names of the commands ``layer`` sends to Redis from now on."""
+    sent: list[str] = []
+    for index in range(layer.ring_size):
+        connection = layer.connection(index)
+        execute = connection.execute_command
+
+        async def counted(*args, _execute=execute, **kwargs):
+            sent.append(str(args[0]).upper())
+            return await _execute(*args, **kwargs)
+
+        connection.execute_command = counted
+    return sent
+
+
+def test_a_waiting_message_is_taken_in_one_trip_and_others_in_order():
+    async def check(ours: RedisLayer, stock: RedisChannelLayer) -> None:
+        for i in range(3):
+            await stock.send("hangar.general", {"type": "x", "i": i})
+        sent = _counting(ours)
+        first = await asyncio.wait_for(ours.receive("hangar.general"), 5)
+        assert first["i"] == 0
+        assert sent[0] == "EVALSHA" and "BZPOPMIN" not in sent and "EVAL" not in sent
+        rest = [(await asyncio.wait_for(ours.receive("hangar.general"), 5))["i"] for _ in range(2)]
+        assert rest == [1, 2]
+        # None waiting: the receive waits for the next one, as channels_redis's does.
+        later = asyncio.ensure_future(ours.receive("hangar.general"))
+        await asyncio.sleep(0.1)
+        await stock.send("hangar.general", {"type": "x", "i": 3})
+        assert (await asyncio.wait_for(later, 5))["i"] == 3
+        await asyncio.sleep(0.1)  # the handed-over messages leave the backup queue
+        backup = ours._backup_channel_name(ours.prefix + "hangar.general")
+        assert await ours.connection(0).zcard(backup) == 0
+
+    run(check)
+
+
+def test_what_an_interrupted_receive_left_in_the_backup_is_received_again():
+    async def check(ours: RedisLayer, stock: RedisChannelLayer) -> None:
+        await stock.send("hangar.general", {"type": "x.lost"})
+        await stock.send("hangar.general", {"type": "x.next"})
+        key = ours.prefix + "hangar.general"
+        connection = ours.connection(0)
+        # As a receive cancelled between its pop and its hand-over leaves it.
+        [(member, score)] = await connection.zpopmin(key)
+        await connection.zadd(ours._backup_channel_name(key), {member: score})
+        got = [(await asyncio.wait_for(ours.receive("hangar.general"), 5))["type"] for _ in range(2)]
+        assert got == ["x.lost", "x.next"]
+
+    run(check)
+
+
 def test_hangar_uses_it():
     assert settings.CHANNEL_LAYERS["default"]["BACKEND"] == "runtime.services.redis_layer.RedisLayer"

@@ -100,6 +100,7 @@ class LiveProcess:
     refused_to: set[str] = field(default_factory=set)  # senders refused once: refused from then on
     exit: dict[str, Any] | None = None
     ended_at: float | None = None
+    duration_ms: float = 0.0
     tasks: list[asyncio.Task[None]] = field(default_factory=list)
     active_at: float = field(default_factory=time.monotonic)  # last input, ack, attach or ping
     # Secrets' values masked out of the output (a harness's runs), per stream.
@@ -265,8 +266,8 @@ class Bridge:
         if key in self.procs:
             if attach:
                 self._attach(self.procs[key], attach)
-            await self.layer.send(reply, {"type": streams.STARTED, "key": key,
-                                          "pid": self.procs[key].process.pid, "attached": bool(attach)})  # fmt: skip
+            await self.layer.send(reply, {"type": streams.STARTED, "key": key, "pid": self.procs[key].process.pid,
+                                          "attached": bool(attach), "recorded": False})  # fmt: skip
             return
         req = ProcessRequest(
             argv=list(msg["argv"]), env=dict(msg.get("env") or {}), cwd=msg.get("cwd") or None,
@@ -275,7 +276,7 @@ class Bridge:
         )  # fmt: skip
         try:
             launcher = launcher_for(msg["runtime"])
-            process = await asyncio.to_thread(launcher.open_process, msg["handle"], req)
+            process, recorded = await asyncio.to_thread(_open_process, launcher, msg["handle"], req, key)
         except FileOpError as exc:
             await self.layer.send(
                 reply, {"type": streams.FAILED, "key": key, "error": "start", "errno": exc.errno_name,
@@ -312,9 +313,8 @@ class Bridge:
         # The starter hears first; the output waits in the agent's connection meanwhile (the
         # reply must not queue behind the output's messages on this loop).
         try:
-            await self.layer.send(
-                reply, {"type": streams.STARTED, "key": key, "pid": process.pid, "attached": bool(attach)}
-            )
+            await self.layer.send(reply, {"type": streams.STARTED, "key": key, "pid": process.pid,
+                                          "attached": bool(attach), "recorded": recorded})  # fmt: skip
         finally:
             threading.Thread(target=self._pump, args=(lp,), name=f"pump-{key}", daemon=True).start()
 
@@ -362,12 +362,12 @@ class Bridge:
                 if held:
                     self._output(lp, stream, held)
         lp.ended_at = time.monotonic()
-        duration_ms = (lp.ended_at - lp.started) * 1000.0
+        lp.duration_ms = (lp.ended_at - lp.started) * 1000.0
         lp.exit = (
             info if info is not None else {"exit_code": None, "signal": 0, "timed_out": False, "error": error}
-        ) | {"duration_ms": round(duration_ms, 1)}
+        ) | {"duration_ms": round(lp.duration_ms, 1)}
         lp.may_read.set()
-        lp.post(None, {"type": streams.EXIT, "key": lp.key, "end": lp.ring.end, "exit": lp.exit})
+        self._spawn(self._record_then_exit(lp))
         # Input it will never read: its senders need not wait for it.
         while not lp.stdin.empty():
             kind, msg = lp.stdin.get_nowait()
@@ -376,7 +376,13 @@ class Bridge:
                 self._spawn(self._ack_input(msg))
         with contextlib.suppress(Exception):
             lp.process.close()
-        asyncio.ensure_future(asyncio.to_thread(_record_end, lp.key, lp.exit, lp.ring, duration_ms))
+
+    async def _record_then_exit(self, lp: LiveProcess) -> None:
+        # The row first, as one statement: whoever hears of the exit and then asks for the
+        # process finds it ended. What else listens for the end (a run's) hears after the exit
+        # is sent (_send_loop), so that its queries are not on the way.
+        await asyncio.to_thread(_record_end, lp.key, lp.exit or {}, lp.ring, lp.duration_ms)
+        lp.post(None, {"type": streams.EXIT, "key": lp.key, "end": lp.ring.end, "exit": lp.exit})
 
     async def _send_loop(self, lp: LiveProcess) -> None:
         """One sender per process keeps its messages in order: replays and live chunks alike.
@@ -399,6 +405,8 @@ class Bridge:
                     await self.layer.send(channel, msg)
             except Exception as exc:  # a full channel: the follower sees the gap and re-attaches
                 log.debug("bridge: could not deliver to %s: %s", channel or group, exc)
+            if msg["type"] == streams.EXIT:
+                self._spawn(asyncio.to_thread(_announce_end, lp.key))
 
     def _attach(self, lp: LiveProcess, msg: dict[str, Any]) -> None:
         reply = msg["reply"]
@@ -528,6 +536,26 @@ def _coalesce(
 # -- rows (run in a thread) -------------------------------------------------------------------
 
 
+def _open_process(launcher: Any, handle: Any, req: ProcessRequest, key: str) -> tuple[Process, bool]:
+    """Start the process and write its pid to its row (an exec's), in the thread that waited for
+    the start: the starter then has no trip to the database of its own before it answers.
+    Whether the pid was written (if not, the starter writes it)."""
+    from django.db import close_old_connections
+
+    from ..services.processes import process_record_pid
+
+    process = launcher.open_process(handle, req)
+    if not key.startswith("x"):
+        return process, False
+    try:
+        close_old_connections()
+        process_record_pid(key=key, pid=process.pid)
+    except Exception:
+        log.exception("bridge: could not record the pid of %s", key)
+        return process, False
+    return process, True
+
+
 def _record_end(key: str, info: dict[str, Any], ring: streams.OutputRing, duration_ms: float) -> None:
     from django.db import close_old_connections
 
@@ -538,6 +566,20 @@ def _record_end(key: str, info: dict[str, Any], ring: streams.OutputRing, durati
         process_record_end(key=key, info=info, ring=ring, duration_ms=duration_ms)
     except Exception:
         log.exception("bridge: could not record the end of %s", key)
+    finally:
+        close_old_connections()
+
+
+def _announce_end(key: str) -> None:
+    from django.db import close_old_connections
+
+    from ..services.processes import process_end_announce
+
+    close_old_connections()
+    try:
+        process_end_announce(key=key)
+    except Exception:
+        log.exception("bridge: could not announce the end of %s", key)
     finally:
         close_old_connections()
 

@@ -222,7 +222,9 @@ def _with_member_role() -> QuerySet[WithAnnotations[ApiToken, _MemberRole]]:
     return ApiToken.objects.select_related("user", "team").annotate(member_role=Subquery(held))
 
 
-def _alive(token: WithAnnotations[ApiToken, _MemberRole], now: datetime) -> ApiToken | None:
+def token_alive(token: WithAnnotations[ApiToken, _MemberRole], now: datetime) -> ApiToken | None:
+    """``token`` (its ``member_role``: its user's role in its team now, None when out of it) if
+    it is live at ``now``, with its ``effective_role`` set; None if it is dead."""
     if token.revoked_at is not None or (token.expires_at and token.expires_at <= now):
         return None
     if not token.user.is_active or token.member_role is None:  # left the team: the token is dead
@@ -241,7 +243,7 @@ def token_authenticate(raw: str) -> ApiToken | None:
     except ApiToken.DoesNotExist:
         return None
     now = timezone.now()
-    if _alive(token, now) is None:
+    if token_alive(token, now) is None:
         return None
     if token.last_used_at is None or now - token.last_used_at > timedelta(seconds=60):
         ApiToken.objects.filter(id=token.id).update(last_used_at=now)
@@ -253,7 +255,7 @@ def token_current(*, token_id: int) -> ApiToken | None:
     revoked or expired, or its user is deactivated or out of its team (what an open socket
     or stream checks again)."""
     token = _with_member_role().filter(id=token_id).first()
-    return _alive(token, timezone.now()) if token is not None else None
+    return token_alive(token, timezone.now()) if token is not None else None
 
 
 def sandbox_reach(caller: Any) -> Q | None:

@@ -20,6 +20,7 @@ from typing import Any
 from channels.exceptions import ChannelFull
 from django.conf import settings
 from django.contrib.auth.models import User
+from django.db import connection
 from django.db.models import QuerySet
 from django.utils import timezone
 
@@ -191,7 +192,9 @@ async def _launch(
     try:
         if follower is not None:
             fields["attach"] = await follower.open()
-        row.pid, attached = await sandbox_access(sandbox).start_process(streams.exec_key(row.id), fields)
+        row.pid, attached, recorded = await sandbox_access(sandbox).start_process(
+            streams.exec_key(row.id), fields
+        )
     except (InvalidValue, Conflict, NodeUnavailable) as exc:
         if follower is not None:
             await follower.close()
@@ -204,7 +207,8 @@ async def _launch(
         raise
     if follower is not None:
         follower.attached = attached
-    await _db(Exec.objects.filter(id=row.id, pid__isnull=True).update)(pid=row.pid)
+    if not recorded:  # the bridge writes it as the process starts; one that could not, here
+        await _db(Exec.objects.filter(id=row.id, pid__isnull=True).update)(pid=row.pid)
     return row, follower
 
 
@@ -270,7 +274,7 @@ async def _open_terminal(
         "stdin_data": b"", "stdin_open": True, "kind": "terminal",
     }  # fmt: skip
     try:
-        row.pid, _ = await sandbox_access(sandbox).start_process(streams.terminal_key(row.id), fields)
+        row.pid, _, _ = await sandbox_access(sandbox).start_process(streams.terminal_key(row.id), fields)
     except (InvalidValue, Conflict, NodeUnavailable) as exc:
         row.status, row.error, row.ended_at = Terminal.Status.FAILED, exc.message, timezone.now()
         await _db(row.save)(update_fields=["status", "error", "ended_at"])
@@ -715,24 +719,58 @@ async def _stored_output(target: ProcessHandle, offset: int) -> AsyncIterator[tu
 def process_record_end(
     *, key: str, info: dict[str, Any], ring: streams.OutputRing, duration_ms: float
 ) -> None:
-    """Write a live process's outcome to its row (exit status, the kept tail of its output)."""
+    """Write a live process's outcome to its row (exit status, the kept tail of its output);
+    its node's bridge then sends the exit, then calls :func:`process_end_announce`."""
     now = timezone.now()
     error = info.get("error") or ""
     if key.startswith("x"):
         keep = settings.HANGAR_EXEC_KEEP_OUTPUT_BYTES
-        Exec.objects.filter(id=int(key[1:]), status=Exec.Status.RUNNING).update(
-            status=Exec.Status.EXITED if info.get("exit_code") is not None else Exec.Status.FAILED,
-            exit_code=info.get("exit_code"), signal=info.get("signal") or 0, timed_out=bool(info.get("timed_out")),
-            stdout=ring.text("stdout", keep), stderr=ring.text("stderr", keep),
-            stdout_bytes=ring.totals.get("stdout", 0), stderr_bytes=ring.totals.get("stderr", 0),
-            error=error, finished_at=now, duration_ms=duration_ms,
-        )  # fmt: skip
-        events.process_ended.send(exec_id=int(key[1:]))  # a run's process: the run finishes
+        _exec_update_running(int(key[1:]), {
+            "status": Exec.Status.EXITED if info.get("exit_code") is not None else Exec.Status.FAILED,
+            "exit_code": info.get("exit_code"), "signal": info.get("signal") or 0,
+            "timed_out": bool(info.get("timed_out")),
+            "stdout": ring.text("stdout", keep), "stderr": ring.text("stderr", keep),
+            "stdout_bytes": ring.totals.get("stdout", 0), "stderr_bytes": ring.totals.get("stderr", 0),
+            "error": error, "finished_at": now, "duration_ms": duration_ms,
+        })  # fmt: skip
     elif key.startswith("t"):
         Terminal.objects.filter(id=key[1:], status=Terminal.Status.RUNNING).update(
             status=Terminal.Status.EXITED if info.get("exit_code") is not None else Terminal.Status.FAILED,
             exit_code=info.get("exit_code"), error=error, ended_at=now,
         )  # fmt: skip
+
+
+def process_end_announce(*, key: str) -> None:
+    """A live process's end is recorded and sent: tell who listens (a run's process: the run
+    finishes)."""
+    if key.startswith("x"):
+        events.process_ended.send(exec_id=int(key[1:]))
+
+
+def _exec_update_running(exec_id: int, values: dict[str, Any]) -> int:
+    """``Exec.objects.filter(id=exec_id, status=RUNNING).update(**values)`` as one statement
+    written out once: every process's end is written through here, on the node's bridge, and
+    building the ORM's query cost more than running it. Values go through each field's own
+    preparation for the database, as the ORM's update does."""
+    fields = [f for f in Exec._meta.concrete_fields if f.name in values]
+    q = connection.ops.quote_name
+    sets = ", ".join(f"{q(str(f.column))} = %s" for f in fields)
+    sql = f"UPDATE {q(Exec._meta.db_table)} SET {sets} WHERE {q('id')} = %s AND {q('status')} = %s"
+    params = [f.get_db_prep_save(values[f.name], connection) for f in fields]
+    with connection.cursor() as cursor:
+        cursor.execute(sql, [*params, exec_id, Exec.Status.RUNNING.value])
+        return cursor.rowcount
+
+
+def process_record_pid(*, key: str, pid: int | None) -> None:
+    """Write a live exec's pid to its row as its node starts it (once: a row with a pid keeps it)."""
+    if key.startswith("x") and pid is not None:
+        q = connection.ops.quote_name
+        with connection.cursor() as cursor:
+            cursor.execute(
+                f"UPDATE {q(Exec._meta.db_table)} SET {q('pid')} = %s WHERE {q('id')} = %s AND {q('pid')} IS NULL",
+                [pid, int(key[1:])],
+            )
 
 
 def processes_mark_lost(*, node_name: str, reason: str) -> int:

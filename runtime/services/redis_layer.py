@@ -5,8 +5,10 @@ layer (:mod:`runtime.streams`), so its round trips are on the path of each comma
 waits for. channels_redis 4 spends four on a ``send`` (trim, count, add, expire) and four on a
 ``group_send`` (trim and read the group, trim the members' queues, add); this layer does the
 same work, with the same keys, messages and capacity rule, in one Lua script per ``send`` and
-in two trips per ``group_send`` (read the group; one script for its members). Its messages are
-read by the unchanged receive path, so processes on either layer interoperate.
+in two trips per ``group_send`` (read the group; one script for its members). A receive
+takes a message already waiting in one trip (channels_redis spends three: put back what an
+interrupted receive left in the channel's backup queue, pop, back it up; this script does the
+three at once) and waits for one as channels_redis does. Processes on either layer interoperate.
 """
 
 from __future__ import annotations
@@ -42,21 +44,59 @@ return over
 """
 _ADD_SHA = hashlib.sha1(_ADD.encode()).hexdigest()
 
+# KEYS: the channel's queue, its backup queue. channels_redis's clean-up (what an interrupted
+# receive left in the backup goes back to the queue, in order), then the oldest message moved
+# to the backup (removed once it is handed over, as channels_redis does); false when empty.
+_POP = """
+local backed_up = redis.call('ZRANGE', KEYS[2], 0, -1, 'WITHSCORES')
+for i = #backed_up, 1, -2 do
+    redis.call('ZADD', KEYS[1], backed_up[i], backed_up[i - 1])
+end
+redis.call('DEL', KEYS[2])
+local popped = redis.call('ZPOPMIN', KEYS[1])
+if popped[1] then
+    redis.call('ZADD', KEYS[2], popped[2], popped[1])
+    return popped[1]
+end
+return false
+"""
+_POP_SHA = hashlib.sha1(_POP.encode()).hexdigest()
+
 
 class RedisLayer(RedisChannelLayer):
     """``channels_redis.core.RedisChannelLayer`` with ``send``, ``group_send`` and ``group_add``
     in fewer round trips (see the module's docstring)."""
+
+    @staticmethod
+    async def _script(connection: Any, script: str, sha: str, keys: list[str], args: list[Any]) -> Any:
+        try:
+            return await connection.evalsha(sha, len(keys), *keys, *args)
+        except NoScriptError:  # a Redis that has not seen it yet (or restarted): load it once
+            await connection.script_load(script)
+            return await connection.evalsha(sha, len(keys), *keys, *args)
 
     async def _add(
         self, connection: Any, keys: list[str], messages: list[bytes], capacities: list[int]
     ) -> int:
         """Add each message to its queue (unless full, as channels_redis judges it): how many were not."""
         args = [*messages, *capacities, time.time(), int(self.expiry)]
-        try:
-            return int(await connection.evalsha(_ADD_SHA, len(keys), *keys, *args))
-        except NoScriptError:  # a Redis that has not seen it yet (or restarted): load it once
-            await connection.script_load(_ADD)
-            return int(await connection.evalsha(_ADD_SHA, len(keys), *keys, *args))
+        return int(await self._script(connection, _ADD, _ADD_SHA, keys, args))
+
+    async def _brpop_with_clean(self, index: int, channel: str, timeout: float) -> Any:
+        """channels_redis's (the next message, kept in the backup queue until it is handed over;
+        None after ``timeout``), with a message already waiting taken in one trip."""
+        backup = self._backup_channel_name(channel)
+        connection = self.connection(index)
+        member = await self._script(connection, _POP, _POP_SHA, [channel, backup], [])
+        if member is not None:
+            return member
+        # Nothing waiting: block as channels_redis does (the backup is empty now).
+        result = await connection.bzpopmin(channel, timeout=timeout)
+        if result is None:
+            return None
+        _, member, score = result
+        await connection.zadd(backup, {member: float(score)})
+        return member
 
     async def send(self, channel: str, message: dict[str, Any]) -> None:
         assert isinstance(message, dict), "message is not a dict"

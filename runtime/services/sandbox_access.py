@@ -89,10 +89,11 @@ class SandboxAccess(abc.ABC):
         """A connection to ``port`` inside the sandbox. Raises :class:`NoTunnel`, or
         :class:`runtime.node.tunnels.TunnelError` (worth trying again: a server starting)."""
 
-    async def start_process(self, key: str, fields: dict[str, Any]) -> tuple[int, bool]:
+    async def start_process(self, key: str, fields: dict[str, Any]) -> tuple[int, bool, bool]:
         """Ask the sandbox's node's stream bridge to start a live process (``key`` names it on
-        the wire); returns its pid inside the sandbox and whether the ``attach`` in ``fields``
-        (a follower's, see :mod:`runtime.node.bridge`) was taken. The bridge holds it from then on."""
+        the wire); returns its pid inside the sandbox, whether the ``attach`` in ``fields``
+        (a follower's, see :mod:`runtime.node.bridge`) was taken, and whether the bridge wrote
+        the pid to the process's row. The bridge holds it from then on."""
         sandbox = self.sandbox
         layer = channel_layer()
         reply = await layer.new_channel()
@@ -112,7 +113,7 @@ class SandboxAccess(abc.ABC):
                 "(is `hangar up` or `hangar node` running there?)"
             ) from None
         if answer["type"] == streams.STARTED:
-            return int(answer["pid"]), bool(answer.get("attached"))
+            return int(answer["pid"]), bool(answer.get("attached")), bool(answer.get("recorded"))
         if answer.get("error") == "start":
             raise InvalidValue(
                 f"could not run {fields['argv'][0]!r}: {answer['message']} ({answer['errno']})"

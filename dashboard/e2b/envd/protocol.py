@@ -28,7 +28,7 @@ from runtime.aio import blocking
 from runtime.errors import ServiceError
 from runtime.models import ApiToken, Sandbox
 from runtime.services import audit
-from runtime.services import sandboxes as svc
+from runtime.services.access_query import token_and_sandbox
 from runtime.services.auth import sandbox_reached, token_current
 
 from ..tokens import envd_access_token_owner, may_use_envd
@@ -162,7 +162,8 @@ def authorise(request: HttpRequest) -> Caller:
     token_id = envd_access_token_owner(sandbox_id, access) if sandbox_id and access else None
     if token_id is None:
         raise refused
-    token = token_current(token_id=token_id)
+    # The token, its user's role in its team and the sandbox it reaches: one query on every call.
+    token, sandbox = token_and_sandbox(token_id=token_id, sandbox_id=sandbox_id)
     if token is None:
         raise RpcError("unauthenticated", "the API token this access token was made for was revoked or "
                        "expired, or its user left the team")  # fmt: skip
@@ -170,10 +171,8 @@ def authorise(request: HttpRequest) -> Caller:
         raise RpcError(
             "permission_denied", "the API token this access token was made for may not run commands"
         )
-    try:
-        sandbox = svc.sandbox_get(team=token.team, sandbox_id=sandbox_id, caller=token)
-    except ServiceError:
-        raise refused from None
+    if sandbox is None:
+        raise refused
     actor = audit.for_token(token, ip=request.META.get("REMOTE_ADDR", ""))
     request.audit_actor, request.audit_token = actor, token  # type: ignore[attr-defined]
     audit.set_actor(actor)
