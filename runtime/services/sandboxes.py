@@ -561,7 +561,12 @@ def sandboxes_reap_expired() -> int:
 
 
 # The node task a row in each transitional state waits on.
-WAITING_ON: dict[str, str] = {S.PENDING: "provision", S.PAUSING: "suspend", S.RESUMING: "resume", S.STOPPING: "destroy"}
+WAITING_ON: dict[str, str] = {
+    S.PENDING: "provision",
+    S.PAUSING: "suspend",
+    S.RESUMING: "resume",
+    S.STOPPING: "destroy",
+}
 
 
 def waiting_on(sandbox: Sandbox) -> str:

@@ -151,7 +151,9 @@ def test_duplicate_provision_tasks_are_harmless(celery_worker, local_node, team)
 
 
 @requires_runsc
-def test_a_start_its_worker_died_in_is_undone_and_started_again_twice_at_most(celery_worker, local_node, team):
+def test_a_start_its_worker_died_in_is_undone_and_started_again_twice_at_most(
+    celery_worker, local_node, team
+):
     """A worker started again (node_recover) takes back a start its predecessor died in: what
     the runtime had made of it goes, the row goes back to pending and its start is sent again;
     a third interrupted start fails with the reason instead of looping."""
