@@ -99,7 +99,9 @@ async def _round(receiver_cls, sender_cls, hosts, args) -> dict:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--rate", type=float, default=200, help="messages a second (default 200)")
     parser.add_argument("--seconds", type=float, default=5)
     parser.add_argument("--channels", type=int, default=20)
