@@ -36,10 +36,10 @@ def _send(layer_cls, hosts, prefix, channels, rate, seconds, ready, done) -> Non
     async def main() -> None:
         layer = layer_cls(hosts=hosts, prefix=prefix, capacity=1000, expiry=60)
         ready.wait()
-        started = time.monotonic()
+        started, total = time.monotonic(), int(rate * seconds)
         n = 0
-        while (now := time.monotonic()) < started + seconds:
-            due = int((now - started) * rate)
+        while n < total:  # the same messages every round, however late they go out
+            due = min(total, int((time.monotonic() - started) * rate))
             while n < due:
                 await layer.send(channels[n % len(channels)], {"type": "x", "t": time.monotonic(), "n": n})
                 n += 1
