@@ -205,3 +205,22 @@ def test_a_receiver_waiting_on_an_empty_queue_gets_what_is_sent_later():
         assert await ours.connection(0).zcard(key) == 0
 
     run(check)
+
+
+def test_a_group_message_for_several_of_a_process_channels_reaches_each_in_a_batch():
+    async def check(ours: RedisLayer, stock: RedisChannelLayer) -> None:
+        # group_send sends one message per process, naming all its channels in the group.
+        a, b, c = [await ours.new_channel() for _ in range(3)]
+        for channel in (a, b):
+            await ours.group_add("g", channel)
+        await stock.send(c, {"type": "x.before"})
+        await ours.group_send("g", {"type": "x.all"})
+        await stock.send(a, {"type": "x.after"})
+        assert (await asyncio.wait_for(ours.receive(c), 5))["type"] == "x.before"  # takes all three
+        assert [(await asyncio.wait_for(ours.receive(a), 5))["type"] for _ in range(2)] == [
+            "x.all",
+            "x.after",
+        ]
+        assert (await asyncio.wait_for(ours.receive(b), 5))["type"] == "x.all"
+
+    run(check, capacity=100)

@@ -156,7 +156,7 @@ class RedisLayer(RedisChannelLayer):
         fullest = max((q.qsize() for q in self.receive_buffer.values()), default=0)
         return max(1, min(RECEIVE_BATCH, self.capacity - fullest))
 
-    async def receive_single(self, channel: str) -> tuple[str, dict[str, Any]]:
+    async def receive_single(self, channel: str) -> tuple[Any, dict[str, Any]]:
         """Take the oldest messages of this process's queue in one trip: every one but the last
         goes to its channel's buffer here, the last is returned (``receive`` buffers it), so
         each channel's messages keep their order. A general channel is read as channels_redis does."""
@@ -185,14 +185,17 @@ class RedisLayer(RedisChannelLayer):
                     await connection.zadd(backup, {member: float(score)})
             # Nothing is awaited from here on: the whole batch reaches the buffers at once.
             received = [self._unpack(channel, taken[i]) for i in range(0, len(taken), 2)]
-            for name, message in received[:-1]:
-                self.receive_buffer[name].put_nowait(message)
+            for names, message in received[:-1]:
+                for name in names if isinstance(names, list) else [names]:
+                    self.receive_buffer[name].put_nowait(message)
             self._handed[key] = True
             return received[-1]
         finally:
             self.receive_clean_locks.release(key)
 
-    def _unpack(self, channel: str, content: bytes) -> tuple[str, dict[str, Any]]:
+    def _unpack(self, channel: str, content: bytes) -> tuple[Any, dict[str, Any]]:
+        """The channel a message is for and the message. A ``group_send`` sends one message per
+        process for all its channels in the group: then the channel is a list of them."""
         message = self.deserialize(content)
         name = message.pop("__asgi_channel__", channel)
         return name, message
