@@ -17,9 +17,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import multiprocessing
 import os
 import sys
-import threading
 import time
 import uuid
 from pathlib import Path
@@ -32,20 +32,23 @@ os.environ.setdefault("DJANGO_SETTINGS_MODULE", "dashboard.settings")
 from _common import pct, write_results  # noqa: E402
 
 
-def _send(layer_cls, hosts, prefix, channels, rate, seconds, ready, done) -> None:
+def _send(layer_cls, hosts, prefix, channels, rate, seconds, ready, sent) -> None:
+    """In a process of its own, as the bridge is (a thread would share the busy loop's GIL)."""
+
     async def main() -> None:
         layer = layer_cls(hosts=hosts, prefix=prefix, capacity=1000, expiry=60)
+        await layer.send(channels[0], {"type": "x", "t": None})  # connected before the clock starts
         ready.wait()
         started, total = time.monotonic(), int(rate * seconds)
         n = 0
         while n < total:  # the same messages every round, however late they go out
             due = min(total, int((time.monotonic() - started) * rate))
             while n < due:
-                await layer.send(channels[n % len(channels)], {"type": "x", "t": time.monotonic(), "n": n})
+                await layer.send(channels[n % len(channels)], {"type": "x", "t": time.time(), "n": n})
                 n += 1
             await asyncio.sleep(0.005)
         await layer.close_pools()
-        done.append(n)
+        sent.value = n
 
     asyncio.run(main())
 
@@ -60,7 +63,8 @@ async def _round(receiver_cls, sender_cls, hosts, args) -> dict:
     async def consumer(channel: str) -> None:
         while True:
             message = await layer.receive(channel)
-            waits.append(time.monotonic() - message["t"])
+            if message["t"] is not None:
+                waits.append(time.time() - message["t"])
 
     async def busy() -> None:
         while not stop.is_set():
@@ -69,8 +73,9 @@ async def _round(receiver_cls, sender_cls, hosts, args) -> dict:
                 pass
             await asyncio.sleep(0)
 
-    ready, sent = threading.Event(), []
-    sender = threading.Thread(
+    context = multiprocessing.get_context("spawn")
+    ready, sent = context.Event(), context.Value("i", -1)
+    sender = context.Process(
         target=_send, args=(sender_cls, hosts, prefix, channels, args.rate, args.seconds, ready, sent)
     )
     sender.start()
@@ -81,7 +86,7 @@ async def _round(receiver_cls, sender_cls, hosts, args) -> dict:
     while sender.is_alive():
         await asyncio.sleep(0.1)
     deadline = time.monotonic() + args.drain
-    while len(waits) < sent[0] and time.monotonic() < deadline:
+    while len(waits) < sent.value and time.monotonic() < deadline:
         await asyncio.sleep(0.05)
     stop.set()
     for task in [*consumers, *load]:
@@ -90,7 +95,7 @@ async def _round(receiver_cls, sender_cls, hosts, args) -> dict:
     await layer.flush()
     await layer.close_pools()
     return {
-        "sent": sent[0],
+        "sent": sent.value,
         "received": len(waits),
         "wait_p50_s": pct(waits, 50),
         "wait_p95_s": pct(waits, 95),
