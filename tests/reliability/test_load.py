@@ -47,9 +47,9 @@ GROWTH_BOUND = 8 * MiB
 # A terminal command's echo (200 lines and a marker) while the clients saturate the API: its
 # output goes through the server's channel-layer queue, which must keep draining under the load.
 # Read one message at a time it did not: p95 10.7-11.5 s, worst 11.8 s (the command in flight
-# waited for the whole round); read in batches, p95 2.3-2.7 s, worst 3.7-8.8 s over four
-# rounds (docs/reliability.md, 2026-12-06). The bounds leave room for a busier machine; the
-# p95 is the one the stall breaks.
+# waited for the whole round); read in batches, p95 2.0-2.7 s, worst 3.7-8.8 s over six rounds
+# (docs/reliability.md, 2026-12-06). The bounds leave room for a busier machine; the p95 is the
+# one the stall breaks.
 ECHO_P95_BOUND_S = 4.0
 ECHO_WORST_BOUND_S = 15.0
 LOCUSTFILE = Path(__file__).with_name("load_locustfile.py")
