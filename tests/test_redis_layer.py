@@ -25,9 +25,9 @@ def _layers(**config: object) -> tuple[RedisLayer, RedisChannelLayer]:
     )
 
 
-def run(coro_fn) -> None:
+def run(coro_fn, capacity: int = 3) -> None:
     async def main() -> None:
-        ours, stock = _layers(capacity=3)
+        ours, stock = _layers(capacity=capacity)
         try:
             await coro_fn(ours, stock)
         finally:
@@ -175,3 +175,104 @@ def test_what_an_interrupted_receive_left_in_the_backup_is_received_again():
 
 def test_hangar_uses_it():
     assert settings.CHANNEL_LAYERS["default"]["BACKEND"] == "runtime.services.redis_layer.RedisLayer"
+
+
+def test_a_batch_reaches_each_channel_in_order_in_one_trip():
+    async def check(ours: RedisLayer, stock: RedisChannelLayer) -> None:
+        a, b = await ours.new_channel(), await ours.new_channel()
+        for i in range(20):
+            await stock.send(a if i % 2 else b, {"type": "x", "i": i})
+        trips = 0
+        take = ours._script
+
+        async def counted(*args: object) -> object:
+            nonlocal trips
+            trips += 1
+            return await take(*args)
+
+        ours._script = counted  # type: ignore[method-assign]
+        got_a = [(await asyncio.wait_for(ours.receive(a), 5))["i"] for _ in range(10)]
+        got_b = [(await asyncio.wait_for(ours.receive(b), 5))["i"] for _ in range(10)]
+        assert got_a == list(range(1, 20, 2)) and got_b == list(range(0, 20, 2))
+        assert trips == 1  # all twenty came in one script call (channels_redis: 4 trips each)
+
+    run(check, capacity=100)
+
+
+def test_a_batch_never_pushes_out_a_message_not_yet_read():
+    async def check(ours: RedisLayer, stock: RedisChannelLayer) -> None:
+        # capacity=3: a local buffer holds 3, so a batch is 3 at most, less the most any holds unread.
+        slow, busy = await ours.new_channel(), await ours.new_channel()
+        for i in range(3):
+            await ours.send(slow, {"type": "x", "i": i})
+        assert (await asyncio.wait_for(ours.receive(slow), 5))["i"] == 0  # takes 0, 1, 2
+        assert ours._batch_size() == 1  # slow's buffer holds 2 unread of 3
+        await ours.send(busy, {"type": "x.busy"})
+        for i in range(3, 5):
+            await ours.send(slow, {"type": "x", "i": i})
+        assert (await asyncio.wait_for(ours.receive(busy), 5))["type"] == "x.busy"  # takes only it
+        got = [(await asyncio.wait_for(ours.receive(slow), 5))["i"] for _ in range(4)]
+        assert got == [1, 2, 3, 4]
+
+    run(check)
+
+
+def test_a_receive_cancelled_mid_trip_loses_nothing():
+    async def check(ours: RedisLayer, stock: RedisChannelLayer) -> None:
+        channel = await ours.new_channel()
+        key = ours.prefix + ours.non_local_name(channel)
+        for i in range(3):
+            await stock.send(channel, {"type": "x", "i": i})
+        take = ours._script
+
+        async def cancelled_after(*args: object) -> object:
+            await take(*args)  # Redis moved the batch to the backup; its answer never arrives
+            raise asyncio.CancelledError
+
+        ours._script = cancelled_after  # type: ignore[method-assign]
+        with pytest.raises(asyncio.CancelledError):
+            await ours.receive(channel)
+        assert await ours.connection(0).zcard(key + "$inflight") == 3  # kept in the backup
+        ours._script = take  # type: ignore[method-assign]
+        got = [(await asyncio.wait_for(ours.receive(channel), 5))["i"] for _ in range(3)]
+        assert got == [0, 1, 2]
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(ours.receive(channel), 0.3)  # and nothing twice
+
+    run(check)
+
+
+def test_a_receiver_waiting_on_an_empty_queue_gets_what_is_sent_later():
+    async def check(ours: RedisLayer, stock: RedisChannelLayer) -> None:
+        a, b = await ours.new_channel(), await ours.new_channel()
+        waiting = [asyncio.ensure_future(ours.receive(c)) for c in (a, b)]
+        await asyncio.sleep(0.2)  # both wait, one of them blocked in Redis
+        await stock.send(b, {"type": "x.b"})
+        await stock.send(a, {"type": "x.a"})
+        got = await asyncio.wait_for(asyncio.gather(*waiting), 5)
+        assert [m["type"] for m in got] == ["x.a", "x.b"]
+        key = ours.prefix + ours.non_local_name(a)
+        await ours.send(a, {"type": "x.next"})
+        assert (await asyncio.wait_for(ours.receive(a), 5))["type"] == "x.next"
+        assert await ours.connection(0).zcard(key) == 0
+
+    run(check)
+
+
+def test_a_group_message_for_several_of_a_process_channels_reaches_each_in_a_batch():
+    async def check(ours: RedisLayer, stock: RedisChannelLayer) -> None:
+        # group_send sends one message per process, naming all its channels in the group.
+        a, b, c = [await ours.new_channel() for _ in range(3)]
+        for channel in (a, b):
+            await ours.group_add("g", channel)
+        await stock.send(c, {"type": "x.before"})
+        await ours.group_send("g", {"type": "x.all"})
+        await stock.send(a, {"type": "x.after"})
+        assert (await asyncio.wait_for(ours.receive(c), 5))["type"] == "x.before"  # takes all three
+        assert [(await asyncio.wait_for(ours.receive(a), 5))["type"] for _ in range(2)] == [
+            "x.all",
+            "x.after",
+        ]
+        assert (await asyncio.wait_for(ours.receive(b), 5))["type"] == "x.all"
+
+    run(check, capacity=100)

@@ -5,10 +5,22 @@ layer (:mod:`runtime.streams`), so its round trips are on the path of each comma
 waits for. channels_redis 4 spends four on a ``send`` (trim, count, add, expire) and four on a
 ``group_send`` (trim and read the group, trim the members' queues, add); this layer does the
 same work, with the same keys, messages and capacity rule, in one Lua script per ``send`` and
-in two trips per ``group_send`` (read the group; one script for its members). A receive
-takes a message already waiting in one trip (channels_redis spends three: put back what an
-interrupted receive left in the channel's backup queue, pop, back it up; this script does the
-three at once) and waits for one as channels_redis does. Processes on either layer interoperate.
+in two trips per ``group_send`` (read the group; one script for its members).
+
+Its receive reads a process's own queue (``specific.<id>!``, where the bridge sends every
+terminal's output) in batches. channels_redis pops one message per four round trips (the
+backup clean-up script, ``BZPOPMIN``, the backup ``ZADD``, its removal), serialised by a lock
+per queue; on an event loop busy serving API requests each trip waits its turn behind them,
+so the queue drained at a few dozen messages a second and terminal output waited behind the
+load for as long as it lasted (docs/reliability.md). Here one script takes up to
+``RECEIVE_BATCH`` messages into the same backup queue and the process hands each to its
+channel's waiting receiver; the backup is dropped once they are handed over, so a receive
+cancelled mid-trip loses nothing (the next one puts the backup back first, as channels_redis
+does). Keys, messages and order within a channel are channels_redis's, so processes on either
+layer interoperate.
+Any other channel's receive (the bridge's, a worker's) takes a message already waiting in one
+trip (channels_redis spends three: put back what an interrupted receive left in the backup
+queue, pop, back it up; one script does the three) and waits for one as channels_redis does.
 """
 
 from __future__ import annotations
@@ -62,10 +74,43 @@ return false
 """
 _POP_SHA = hashlib.sha1(_POP.encode()).hexdigest()
 
+# KEYS: a process's queue and its backup; ARGV: how many to take at most, the backup's expiry,
+# and "1" when the process has handed over the batch the backup holds. If not (a receive was
+# cancelled before it did), puts that batch back in front (those are the oldest). Then moves up
+# to that many of the oldest messages to the backup and returns them, flattened (message,
+# score, ...), oldest first.
+_TAKE = """
+if ARGV[3] ~= '1' then
+    local backed_up = redis.call('ZRANGE', KEYS[2], 0, -1, 'WITHSCORES')
+    for i = #backed_up, 1, -2 do
+        redis.call('ZADD', KEYS[1], backed_up[i], backed_up[i - 1])
+    end
+end
+redis.call('DEL', KEYS[2])
+local taken = redis.call('ZPOPMIN', KEYS[1], tonumber(ARGV[1]))
+for i = 1, #taken, 2 do
+    redis.call('ZADD', KEYS[2], taken[i + 1], taken[i])
+end
+if #taken > 0 then
+    redis.call('EXPIRE', KEYS[2], tonumber(ARGV[2]))
+end
+return taken
+"""
+_TAKE_SHA = hashlib.sha1(_TAKE.encode()).hexdigest()
+
+# The most messages one receive takes from Redis: enough that a busy queue drains in a trip or
+# two a second's worth, few enough that one batch never fills a channel's local buffer.
+RECEIVE_BATCH = 100
+
 
 class RedisLayer(RedisChannelLayer):
-    """``channels_redis.core.RedisChannelLayer`` with ``send``, ``group_send`` and ``group_add``
-    in fewer round trips (see the module's docstring)."""
+    """``channels_redis.core.RedisChannelLayer`` with ``send``, ``group_send``, ``group_add`` and
+    the receive of process-local channels in fewer round trips (see the module's docstring)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        # Per queue: whether the batch in its backup was handed over.
+        self._handed: dict[str, bool] = {}
 
     @staticmethod
     async def _script(connection: Any, script: str, sha: str, keys: list[str], args: list[Any]) -> Any:
@@ -142,3 +187,53 @@ class RedisLayer(RedisChannelLayer):
             )
             if over:
                 log.info("%d of %d channels over capacity in group %s", over, len(names), group)
+
+    def _batch_size(self) -> int:
+        """How many messages a receive may take: no more than the fullest local buffer has room
+        for, so a batch never pushes out a message its receiver has not read yet."""
+        fullest = max((q.qsize() for q in self.receive_buffer.values()), default=0)
+        return max(1, min(RECEIVE_BATCH, self.capacity - fullest))
+
+    async def receive_single(self, channel: str) -> tuple[Any, dict[str, Any]]:
+        """Take the oldest messages of this process's queue in one trip: every one but the last
+        goes to its channel's buffer here, the last is returned (``receive`` buffers it), so
+        each channel's messages keep their order. A general channel is read as channels_redis does."""
+        if "!" not in channel:
+            return await super().receive_single(channel)
+        assert self.require_valid_channel_name(channel, receive=True), "Channel name invalid"
+        assert channel.endswith("!")
+        key = self.prefix + channel
+        backup = self._backup_channel_name(key)
+        connection = self.connection(self.consistent_hash(channel))
+        await self.receive_clean_locks.acquire(key)  # one receive takes from a queue at a time
+        try:
+            while True:
+                # Whether the backup's batch was handed over, asked once: if this trip is cancelled,
+                # the next one puts back what it took (at worst a batch twice, never one lost).
+                handed = "1" if self._handed.pop(key, False) else "0"
+                args = [self._batch_size(), int(self.expiry), handed]
+                taken = await self._script(connection, _TAKE, _TAKE_SHA, [key, backup], args)
+                if taken:
+                    break
+                # Nothing there: wait for the next message, keep it in the (now empty) backup,
+                # as channels_redis does, and take it with whatever came after it.
+                popped = await connection.bzpopmin(key, timeout=self.brpop_timeout)
+                if popped is not None:
+                    _, member, score = popped
+                    await connection.zadd(backup, {member: float(score)})
+            # Nothing is awaited from here on: the whole batch reaches the buffers at once.
+            received = [self._unpack(channel, taken[i]) for i in range(0, len(taken), 2)]
+            for names, message in received[:-1]:
+                for name in names if isinstance(names, list) else [names]:
+                    self.receive_buffer[name].put_nowait(message)
+            self._handed[key] = True
+            return received[-1]
+        finally:
+            self.receive_clean_locks.release(key)
+
+    def _unpack(self, channel: str, content: bytes) -> tuple[Any, dict[str, Any]]:
+        """The channel a message is for and the message. A ``group_send`` sends one message per
+        process for all its channels in the group: then the channel is a list of them."""
+        message = self.deserialize(content)
+        name = message.pop("__asgi_channel__", channel)
+        return name, message
