@@ -225,7 +225,12 @@ class MicroVMLauncher(AgentBackedLauncher):
 
     def _write_config(self, d: Path, spec: SandboxSpec) -> None:
         fields = [f"hostname={spec.hostname}", f"cwd={spec.working_dir or '/'}"]
-        fields += [f"env={k}={v}" for k, v in spec.env.items() if "\0" not in k + v]
+        env = dict(spec.env)
+        ca = self.sandbox_ca
+        if ca is not None:  # its bundle in the VM, read-only, and the variables naming it
+            fields.append("ca=" + ca.path.read_text())
+            env = {**ca.env(), **env}
+        fields += [f"env={k}={v}" for k, v in env.items() if "\0" not in k + v]
         path = d / "config"
         # The environment holds the sandbox's secrets: root's alone, never in QEMU's command line.
         fd = os.open(path.with_name(".config.tmp"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)

@@ -807,6 +807,25 @@ static void write_text(const char *path, const char *text)
     }
 }
 
+/* The node's CA bundle (the config's ca= field) at /.hangar/ca-certificates.crt, read-only, as
+ * gVisor mounts it: what SSL_CERT_FILE and its kind name (the launcher sets them). */
+static void install_ca_bundle(const char *pem)
+{
+    const char *path = "/.hangar/ca-certificates.crt";
+    int fd = open(path, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0444);
+    size_t len = strlen(pem);
+    if (fd < 0 || write(fd, pem, len) != (ssize_t)len) {
+        logmsg("%s: %s", path, strerror(errno));
+        if (fd >= 0)
+            close(fd);
+        return;
+    }
+    close(fd);
+    if (mount(path, path, NULL, MS_BIND, NULL) < 0 ||
+        mount(NULL, path, NULL, MS_BIND | MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV, NULL) < 0)
+        logmsg("%s: read-only: %s", path, strerror(errno));
+}
+
 static void loopback_up(void)
 {
     int s = socket(AF_INET, SOCK_DGRAM | SOCK_CLOEXEC, 0);
@@ -918,6 +937,8 @@ static int init_main(void)
             envp[k++] = f + 4;
         else if (strncmp(f, "hostname=", 9) == 0)
             sethostname(f + 9, strlen(f + 9));
+        else if (strncmp(f, "ca=", 3) == 0)
+            install_ca_bundle(f + 3);
     }
     envp[k] = NULL;
     const char *cwd = "/";
