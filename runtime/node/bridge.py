@@ -59,6 +59,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 
 from .. import streams
 from ..launchers.base import FileOpError, LauncherError, Process, ProcessExit, ProcessRequest
+from ..notify import redis_client
 from .local import launcher_for, local_address_pools
 
 log = logging.getLogger("hangar.bridge")
@@ -182,7 +183,7 @@ class Bridge:
         finally:
             housekeeping.cancel()
             with contextlib.suppress(Exception):  # followers learn at once that nothing more comes
-                await asyncio.to_thread(_redis().delete, streams.bridge_alive_key(self.node_name))
+                await asyncio.to_thread(redis_client().delete, streams.bridge_alive_key(self.node_name))
             if tunnel_server is not None:
                 tunnel_server.close()
             if door is not None:
@@ -483,7 +484,7 @@ class Bridge:
         self._alive_at = time.monotonic()
         key = streams.bridge_alive_key(self.node_name)
         try:
-            await asyncio.to_thread(_redis().set, key, self.instance, ex=streams.BRIDGE_ALIVE_TTL_S)
+            await asyncio.to_thread(redis_client().set, key, self.instance, ex=streams.BRIDGE_ALIVE_TTL_S)
         except Exception as exc:  # Redis away: said again at the next tick
             log.warning("bridge: could not say it is alive: %s", exc)
 
@@ -596,18 +597,6 @@ def _touch(sandbox_ids: set[str]) -> None:
         log.exception("bridge: could not record activity in %s", sorted(sandbox_ids))
     finally:
         close_old_connections()
-
-
-_redis_client: Any = None
-
-
-def _redis() -> Any:
-    global _redis_client
-    if _redis_client is None:
-        from ..notify import redis_client
-
-        _redis_client = redis_client()
-    return _redis_client
 
 
 def _mark_lost_on_start(node_name: str) -> None:

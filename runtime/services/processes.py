@@ -28,6 +28,7 @@ from .. import events, streams
 from ..aio import blocking
 from ..errors import Conflict, InvalidValue, NodeUnavailable, NotFound
 from ..models import Exec, Sandbox, Team, Terminal
+from ..notify import redis_client
 from . import secrets as secret_svc
 from . import spans
 from .auth import sandbox_reached
@@ -627,7 +628,7 @@ class _BridgeWatch:
         if not self.node_name:
             return None
         try:
-            raw = await asyncio.to_thread(_redis().get, streams.bridge_alive_key(self.node_name))
+            raw = await asyncio.to_thread(redis_client().get, streams.bridge_alive_key(self.node_name))
         except Exception:  # Redis unreachable: no word either way
             return None
         now = raw.decode() if isinstance(raw, bytes) else raw
@@ -642,18 +643,6 @@ class _BridgeWatch:
         elif now != self.instance:
             return f"the stream bridge of node {self.node_name} restarted, which ends the processes it held"
         return None
-
-
-_redis_client: Any = None
-
-
-def _redis() -> Any:
-    global _redis_client
-    if _redis_client is None:
-        from ..notify import redis_client
-
-        _redis_client = redis_client()
-    return _redis_client
 
 
 def _ended_info(target: ProcessHandle) -> dict[str, Any] | None:
