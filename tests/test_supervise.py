@@ -16,12 +16,15 @@ from tests.support import wait_until
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _supervisor(tmp_path: Path, specs: list[tuple[str, list[str]]]) -> subprocess.Popen[str]:
+def _supervisor(
+    tmp_path: Path, specs: list[tuple[str, list[str]]], healthy_after: float = 60.0
+) -> subprocess.Popen[str]:
     script = textwrap.dedent(f"""
         import sys
         from pathlib import Path
         from dashboard import supervise
         supervise.RESTART_DELAYS_S = (0.0, 0.2)
+        supervise.HEALTHY_AFTER_S = {healthy_after!r}
         specs = {specs!r}
         children = []
         logs = supervise.start_children(specs, {{"PATH": "/usr/bin:/bin"}}, Path({str(tmp_path)!r}), children)
@@ -62,5 +65,32 @@ def test_a_child_that_keeps_dying_stops_everything_saying_which(tmp_path):
     out, _ = sup.communicate(timeout=60)
     assert sup.returncode == 1, out
     assert out.count("crashing exited with status 3; starting it again") == 4, out
-    assert "crashing exited with status 3 5 times in 300 s; stopping everything" in out, out
+    assert (
+        "crashing exited with status 3 5 times in a row, each within 60 s of starting; stopping everything"
+        in out
+    ), out
     assert "logs/crashing.log" in out
+
+
+def test_a_child_that_was_up_a_while_is_started_again_however_often_it_died_before(tmp_path):
+    """Exits spread over a long life (an OOM kill now, a Redis restart later) are not a crash
+    loop: each exit after a healthy run starts the count afresh, so the sixth kill in a row
+    still gets a start again, and the supervisor stays up."""
+    starts = tmp_path / "starts"
+    sup = _supervisor(
+        tmp_path, [("steady", ["sh", "-c", f"echo $$ >> {starts}; exec sleep 300"])], healthy_after=0.5
+    )
+    try:
+        for n in range(1, 8):
+            wait_until(lambda n=n: starts.exists() and len(starts.read_text().split()) == n, 10,
+                       what=f"start {n}")  # fmt: skip
+            time.sleep(0.8)  # up longer than HEALTHY_AFTER_S
+            subprocess.run(["kill", "-9", starts.read_text().split()[-1]], check=True)
+        wait_until(lambda: len(starts.read_text().split()) == 8, 10, what="the eighth start")
+        assert sup.poll() is None, "the supervisor gave up on a child that was healthy between deaths"
+    finally:
+        sup.send_signal(signal.SIGTERM)
+        out, _ = sup.communicate(timeout=30)
+    assert sup.returncode == 0, out
+    assert out.count("steady exited with status -9; starting it again") == 7, out
+    assert "stopping everything" not in out, out

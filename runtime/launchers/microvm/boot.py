@@ -32,6 +32,29 @@ MEMO_DIR = Path("/var/cache/hangar/microvm")  # where install-microvm.sh keeps t
 # the local APIC timer as the tick, jiffies as the clocksource, a fixed loops-per-jiffy instead
 # of calibrating, and no timer check.
 TCG_ARGS = "clocksource=jiffies tsc=unstable lpj=1000000 no_timer_check"
+# Nor can it calibrate the TSC reliably: about one boot in three (at loglevel 8; one in thirty-odd
+# at 1) the emulated PIT gave it nothing ("tsc: Unable to calibrate against PIT", "No reference
+# (HPET/PMTIMER) available"), the clock stood at 0 and the boot hung at "smpboot: CPU0" for good.
+# Under TCG the guest's TSC is the host's (QEMU reads the host's counter), so its frequency is
+# given (tsc_early_khz): no calibration, nothing to fail.
+DEFAULT_TSC_KHZ = 2_000_000
+
+
+def host_tsc_khz(cpuinfo: Path = Path("/proc/cpuinfo")) -> int:
+    """The host's TSC frequency in kHz, as /proc/cpuinfo's first "cpu MHz" says it (a fixed-rate
+    TSC runs at the nominal frequency); DEFAULT_TSC_KHZ where it says nothing usable."""
+    with contextlib.suppress(OSError, ValueError):
+        for line in cpuinfo.read_text().splitlines():
+            if line.startswith("cpu MHz"):
+                khz = int(float(line.split(":", 1)[1]) * 1000)
+                return khz if 100_000 <= khz <= 10_000_000 else DEFAULT_TSC_KHZ
+    return DEFAULT_TSC_KHZ
+
+
+def tcg_args() -> str:
+    return f"{TCG_ARGS} tsc_early_khz={host_tsc_khz()}"
+
+
 # console on the first serial port, at emergency level only (every console byte is an emulated
 # I/O exit); a panic (an out-of-memory one included) ends QEMU at once (-no-reboot).
 KERNEL_ARGS = (

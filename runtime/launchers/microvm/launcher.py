@@ -38,8 +38,8 @@ from . import boot, cgroups
 log = logging.getLogger(__name__)
 
 BOOT_TIMEOUT = 60.0  # under TCG on a busy node a boot takes seconds; with KVM well under one
-# Under TCG one boot in thirty-odd never reached /init here (the console says nothing past the
-# kernel's first lines at loglevel 1): a boot not up by then is killed and tried once more.
+# Under TCG one boot in thirty-odd never reached /init here until the TSC's frequency was given
+# (boot.tcg_args): a boot not up by then is still killed and tried once more.
 FIRST_BOOT_TIMEOUT = {"tcg": 20.0, "kvm": 10.0}
 OOM_MARK = b"Out of memory"
 
@@ -241,7 +241,7 @@ class MicroVMLauncher(AgentBackedLauncher):
     def _qemu_argv(self, spec: SandboxSpec, handle: Handle, kern: boot.Kernel, initrd: Path, root: Path,
                    disk: Path) -> list[str]:  # fmt: skip
         accel = handle["accel"]
-        append = boot.KERNEL_ARGS + ("" if accel == "kvm" else " " + boot.TCG_ARGS)
+        append = boot.KERNEL_ARGS + ("" if accel == "kvm" else " " + boot.tcg_args())
         d = Path(handle["dir"])
         return [
             self.qemu, "-name", f"hangar-{spec.id}", "-M", "microvm,x-option-roms=off",
