@@ -17,14 +17,17 @@ from pathlib import Path
 
 Children = list[tuple[str, "subprocess.Popen[bytes]"]]
 
-# A child that exits this many times in a row, each within HEALTHY_AFTER_S of being started, is
+# A child that fails this many times in a row, each within HEALTHY_AFTER_S of being started, is
 # in a crash loop and is not started again (systemd's StartLimitBurst, counted per run). One that
-# ran longer than HEALTHY_AFTER_S was up and serving: its exit (an OOM kill, a Redis restart that
-# a library does not survive, an operator's kill) starts the count afresh, however many came before.
+# ran longer than HEALTHY_AFTER_S was up and serving: its exit (a Redis restart that a library
+# does not survive) starts the count afresh, however many came before. A SIGKILL is not the
+# child failing but something outside ending it (the OOM killer, an operator, a test of faults):
+# it is started again, after the same growing waits, and never given up on for it.
 RESTART_LIMIT = 5
 HEALTHY_AFTER_S = 60.0
 # Waits before each start again: the first at once, then longer (a crash loop does not spin).
-RESTART_DELAYS_S = (0.0, 1.0, 2.0, 5.0, 10.0)
+RESTART_DELAYS_S = (0.0, 1.0, 2.0, 5.0, 10.0)  # by how many exits RESTART_WINDOW_S has seen
+RESTART_WINDOW_S = 300.0
 
 
 def say(message: str) -> None:
@@ -92,9 +95,9 @@ def _echo_problems(name: str, path: Path, start: int) -> None:
 
 def supervise(children: Children, restart: Callable[[str], subprocess.Popen[bytes]] | None = None) -> int:
     """Reap, until SIGINT or SIGTERM (0) or a child that cannot be kept up (1). A child that
-    exits is started again with ``restart`` (after RESTART_DELAYS_S), unless it has exited
-    RESTART_LIMIT times in a row each within HEALTHY_AFTER_S of its start; without ``restart``,
-    any exit stops all."""
+    exits is started again with ``restart`` (after RESTART_DELAYS_S), unless it has failed
+    RESTART_LIMIT times in a row each within HEALTHY_AFTER_S of its start (a SIGKILL is not a
+    failure); without ``restart``, any exit stops all."""
     stop = {"signal": 0}
 
     def on_signal(signum: int, _frame: object) -> None:
@@ -104,7 +107,8 @@ def supervise(children: Children, restart: Callable[[str], subprocess.Popen[byte
     signal.signal(signal.SIGTERM, on_signal)
     names = {proc.pid: name for name, proc in children}
     started = {name: time.monotonic() for name, _ in children}
-    quick: dict[str, int] = {}  # exits in a row, each soon after its start
+    quick: dict[str, int] = {}  # failures in a row, each soon after its start
+    deaths: dict[str, list[float]] = {}  # every exit within RESTART_WINDOW_S: the wait grows with them
     due: dict[str, float] = {}  # children to start again, and when
     # Woken by SIGCHLD, not a poll: an exited sandbox is reaped at once, and `runsc delete`
     # (a pause's or a resume's) waits for just that. Blocked in this thread only, after the
@@ -121,14 +125,18 @@ def supervise(children: Children, restart: Callable[[str], subprocess.Popen[byte
             code = os.waitstatus_to_exitcode(status)
             now = time.monotonic()
             ran = now - started.get(name, now)
-            quick[name] = quick.get(name, 0) + 1 if ran < HEALTHY_AFTER_S else 1
-            if restart is None or quick[name] >= RESTART_LIMIT:
+            killed = code == -signal.SIGKILL
+            if not killed:
+                quick[name] = quick.get(name, 0) + 1 if ran < HEALTHY_AFTER_S else 1
+            recent = [t for t in deaths.get(name, []) if now - t < RESTART_WINDOW_S] + [now]
+            deaths[name] = recent
+            if restart is None or quick.get(name, 0) >= RESTART_LIMIT:
                 again = (f" {quick[name]} times in a row, each within {HEALTHY_AFTER_S:.0f} s of starting"
                          if restart is not None else "")  # fmt: skip
                 say(f"hangar: {name} exited with status {code}{again}; stopping everything "
                     f"(its log: logs/{name}.log in the data dir)")  # fmt: skip
                 return 1
-            delay = RESTART_DELAYS_S[min(quick[name] - 1, len(RESTART_DELAYS_S) - 1)]
+            delay = RESTART_DELAYS_S[min(len(recent) - 1, len(RESTART_DELAYS_S) - 1)]
             say(f"hangar: {name} exited with status {code}; starting it again"
                 f"{f' in {delay:.0f} s' if delay else ''} (its log: logs/{name}.log in the data dir)")  # fmt: skip
             due[name] = now + delay
