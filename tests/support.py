@@ -18,7 +18,14 @@ from runtime.launchers.gvisor.runsc import default_runsc
 
 # A node row's launchers for a node that runs gVisor with everything it can do.
 GVISOR = {
-    "gvisor": {"network": True, "checkpoint": True, "kvm": False, "gpu": False, "max_command_bytes": 1 << 20}
+    "gvisor": {
+        "network": True,
+        "checkpoint": True,
+        "kvm": False,
+        "gpu": False,
+        "vm": False,
+        "max_command_bytes": 1 << 20,
+    }
 }
 
 requires_runsc = pytest.mark.skipif(

@@ -12,6 +12,16 @@ from django.conf import settings
 LACKS = {"network": "no network", "checkpoint": "no checkpoint"}
 
 
+def runtime_notes(caps: dict[str, bool]) -> list[str]:
+    """What is said beside a runtime's name: what its sandboxes cannot have, and, for a runtime
+    whose sandboxes are VMs (microvm), how they run: "KVM", or "emulated: no KVM" (QEMU's
+    software emulation, seconds to boot rather than a fraction of one)."""
+    notes = [words for key, words in LACKS.items() if not caps.get(key)]
+    if caps.get("vm"):
+        notes.append("KVM" if caps["kvm"] else "emulated: no KVM")
+    return notes
+
+
 class SandboxCreateForm(forms.Form):
     image = forms.CharField(max_length=128, widget=forms.Select)
     runtime = forms.CharField(max_length=32, widget=forms.Select)
@@ -87,10 +97,7 @@ class SandboxCreateForm(forms.Form):
         self.fields["image"].widget.choices = [(name, name) for name in images]
         default = settings.HANGAR_DEFAULT_RUNTIME
         # What each runtime's sandboxes cannot have, said beside its name.
-        self.runtime_lacks = {
-            name: [words for key, words in LACKS.items() if not caps.get(key)]
-            for name, caps in runtimes.items()
-        } or {default: []}
+        self.runtime_lacks = {name: runtime_notes(caps) for name, caps in runtimes.items()} or {default: []}
         self.fields["runtime"].widget.choices = [
             (name, f"{name} ({', '.join(lacks)})" if lacks else name)
             for name, lacks in self.runtime_lacks.items()

@@ -30,11 +30,12 @@ def usage_sample(sandbox) -> dict[str, Any]:
 
 @register.filter
 def runtimes_said(launchers: dict[str, dict[str, bool]] | None) -> str:
-    """A node's runtimes, each with what its sandboxes cannot have: "gvisor, other (no network)"."""
-    from dashboard.pages.forms import LACKS
+    """A node's runtimes, each with what its sandboxes cannot have and, for microvm, whether it has
+    KVM: "gvisor, microvm (no network, no checkpoint, emulated: no KVM)"."""
+    from dashboard.pages.forms import runtime_notes
 
     out = []
     for name, caps in sorted((launchers or {}).items()):
-        lacks = [words for key, words in LACKS.items() if not caps.get(key)]
-        out.append(f"{name} ({', '.join(lacks)})" if lacks else name)
+        notes = runtime_notes(caps)
+        out.append(f"{name} ({', '.join(notes)})" if notes else name)
     return ", ".join(out)

@@ -190,13 +190,14 @@ class Capabilities:
     checkpoint: bool  # pause keeping processes and memory (checkpoint, restore)
     kvm: bool = False  # hardware virtualisation under the sandbox
     gpu: bool = False  # a GPU passed through
+    vm: bool = False  # each sandbox a VM with a kernel of its own (``kvm`` then says how it runs)
     # The most a command's argv, environment and cwd may come to, counted by command_bytes()
     # (None: no limit of the runtime's own). An agent-based launcher's is the agent's frame.
     max_command_bytes: int | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return {"network": self.network, "checkpoint": self.checkpoint, "kvm": self.kvm, "gpu": self.gpu,
-                "max_command_bytes": self.max_command_bytes}  # fmt: skip
+                "vm": self.vm, "max_command_bytes": self.max_command_bytes}  # fmt: skip
 
 
 # Room in a command's request for what is not the command itself (a timeout, a terminal's

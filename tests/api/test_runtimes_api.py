@@ -22,10 +22,12 @@ pytestmark = [requires_runsc]
 def test_the_node_advertises_each_runtime_with_what_its_sandboxes_can_have(api):
     node = Node.objects.get(name=settings.HANGAR_NODE_NAME)
     assert node.launchers[settings.HANGAR_DEFAULT_RUNTIME] == {
-        "network": True, "checkpoint": True, "kvm": False, "gpu": False, "max_command_bytes": 1 << 20,
+        "network": True, "checkpoint": True, "kvm": False, "gpu": False, "vm": False,
+        "max_command_bytes": 1 << 20,
     }  # fmt: skip
     assert node.launchers[REDUCED] == {
-        "network": False, "checkpoint": False, "kvm": False, "gpu": False, "max_command_bytes": 1 << 20,
+        "network": False, "checkpoint": False, "kvm": False, "gpu": False, "vm": False,
+        "max_command_bytes": 1 << 20,
     }  # fmt: skip
     health = api.get("/health").json()
     mine = next(n for n in health["nodes"] if n["name"] == settings.HANGAR_NODE_NAME)

@@ -30,10 +30,10 @@ def _run(*argv: str, **kw) -> subprocess.CompletedProcess[str]:
 
 
 class Stack:
-    def __init__(self, root: Path, disk_mb: int = 768) -> None:
+    def __init__(self, root: Path, disk_mb: int = 768, name: str = "fault") -> None:
         self.root = root
         self.tag = uuid.uuid4().hex[:6]
-        self.node = f"fault-{self.tag}"
+        self.node = f"{name}-{self.tag}"
         self.disk_mb = disk_mb
         self.pg_port, self.redis_port, self.port = free_port(), free_port(), free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -257,3 +257,24 @@ def _alive(pid: int) -> bool:
 
 def _ok(*argv: str) -> bool:
     return subprocess.run(argv, capture_output=True, timeout=10).returncode == 0
+
+
+def host_resources() -> dict[str, str]:
+    """Everything on the host a sandbox's id (or its veth's digest) can show up in."""
+
+    def run(*argv: str) -> str:
+        return subprocess.run(argv, capture_output=True, text=True, timeout=60).stdout
+
+    loops = "\n".join(
+        p.read_text(errors="replace") for p in Path("/sys/block").glob("loop*/loop/backing_file") if p.exists()
+    )  # fmt: skip
+    cgroups = "\n".join(str(p) for p in Path("/sys/fs/cgroup").glob("**/sb*") if p.is_dir())
+    return {
+        "processes": run("ps", "-eo", "args"),
+        "mounts": Path("/proc/self/mountinfo").read_text(),
+        "loop devices": loops,
+        "network namespaces": run("ip", "netns", "list"),
+        "interfaces": run("ip", "-o", "link"),
+        "nftables": run("nft", "list", "ruleset"),
+        "cgroups": cgroups,
+    }

@@ -19,7 +19,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.reliability.stack import Stack
+from tests.reliability.stack import Stack, host_resources
 from tests.support import requires_runsc
 
 pytestmark = [requires_runsc, pytest.mark.slow, pytest.mark.timeout(600)]
@@ -357,27 +357,6 @@ def test_the_worker_killed_during_an_operation(stack, operation, report):
                 converged_s=round(took, 1))  # fmt: skip
 
 
-def _host_resources() -> dict[str, str]:
-    """Everything on the host a sandbox's id (or its veth's digest) can show up in."""
-
-    def run(*argv: str) -> str:
-        return subprocess.run(argv, capture_output=True, text=True, timeout=60).stdout
-
-    loops = "\n".join(
-        p.read_text(errors="replace") for p in Path("/sys/block").glob("loop*/loop/backing_file") if p.exists()
-    )  # fmt: skip
-    cgroups = "\n".join(str(p) for p in Path("/sys/fs/cgroup").glob("**/sb*") if p.is_dir())
-    return {
-        "processes": run("ps", "-eo", "args"),
-        "mounts": Path("/proc/self/mountinfo").read_text(),
-        "loop devices": loops,
-        "network namespaces": run("ip", "netns", "list"),
-        "interfaces": run("ip", "-o", "link"),
-        "nftables": run("nft", "list", "ruleset"),
-        "cgroups": cgroups,
-    }
-
-
 def test_nothing_is_left_without_its_row_and_no_row_without_its_resources(stack):
     """After every fault above: no process, mount, loop device, network namespace, veth,
     nftables rule or cgroup of a sandbox whose row is not live; and each live row's sandbox is
@@ -386,7 +365,7 @@ def test_nothing_is_left_without_its_row_and_no_row_without_its_resources(stack)
         rows = {r["id"]: r["status"] for r in api.get("/sandboxes", params={"limit": 1000}).json()}
         gone = [r["id"] for r in api.get("/sandboxes", params={"status": "deleted", "limit": 1000}).json()]
     assert len(gone) >= 10, f"the faults above left only {len(gone)} deleted sandboxes to check"
-    host = _host_resources()
+    host = host_resources()
     leftovers = []
     for sandbox_id in gone:
         digest = hashlib.sha1(sandbox_id.encode()).hexdigest()[:8]

@@ -20,7 +20,14 @@ from tests.support import GVISOR
 
 ROOT = Path(__file__).resolve().parent.parent.parent
 REDUCED_CAPS = {
-    REDUCED: {"network": False, "checkpoint": False, "kvm": False, "gpu": False, "max_command_bytes": 1 << 20}
+    REDUCED: {
+        "network": False,
+        "checkpoint": False,
+        "kvm": False,
+        "gpu": False,
+        "vm": False,
+        "max_command_bytes": 1 << 20,
+    }
 }
 
 

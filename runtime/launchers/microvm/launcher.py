@@ -137,7 +137,7 @@ class MicroVMLauncher(AgentBackedLauncher):
 
     def capabilities(self) -> Capabilities:
         return Capabilities(network=False, checkpoint=False, kvm=self.accel() == "kvm",
-                            max_command_bytes=MAX_PAYLOAD)  # fmt: skip
+                            max_command_bytes=MAX_PAYLOAD, vm=True)  # fmt: skip
 
     # -- plumbing -------------------------------------------------------------------------
 

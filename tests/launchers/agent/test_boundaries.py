@@ -2,7 +2,7 @@
 /sys) enforced by the agent, run on the host, and the client facing an agent that lies (a
 sandbox can answer for its own agent: the socket's directory is its own).
 
-Run with: .venv/bin/python -m pytest tests/launchers/test_agent_boundaries.py -p no:django -q
+Run with: .venv/bin/python -m pytest tests/launchers/agent/test_boundaries.py -p no:django -q
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import pytest
 from runtime.launchers.agent.build import agent_binary
 from runtime.launchers.agent.client import AgentClient
 from runtime.launchers.agent.protocol import PSEUDO_FS_REFUSED, AgentError, AgentFileError
-from tests.launchers.test_agent import start_agent, stop_agent
+from tests.launchers.agent.support import start_agent, stop_agent
 
 
 @pytest.fixture(scope="module")

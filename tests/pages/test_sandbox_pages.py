@@ -1,62 +1,30 @@
 """Dashboard pages through Django's test client: sign-in, the team switcher, the sandboxes list
-and its create form, and the sandbox page's tabs and actions. Rows are written with the ORM;
-nothing here needs runsc, a worker or a server."""
+and its create form, and the sandbox page's tabs and actions (its files, images, volumes,
+pause and pools are in test_resource_pages.py). Rows are written with the ORM; nothing here
+needs runsc, a worker or a server."""
 
 from __future__ import annotations
 
 from datetime import timedelta
 
 import pytest
-from asgiref.sync import async_to_sync
 from django.contrib.auth import get_user_model
 from django.template.loader import render_to_string
 from django.utils import timezone
 
 from dashboard.pages.sandbox_views import sandbox_rows_context
 from dashboard.pages.teams import SESSION_KEY
-from runtime.models import Exec, Image, ImageJob, Membership, Sandbox, SandboxEvent, Team
+from runtime.models import Exec, Image, Membership, Sandbox, SandboxEvent, Team
 from runtime.services.nodes import node_register
+from tests.pages.support import S, make_member, make_sandbox
 from tests.support import GVISOR
-
-S = Sandbox.Status
-
-
-def _member(username: str, team: Team, role: str = Membership.Role.MEMBER):
-    user = get_user_model().objects.create_user(username, password="pw")
-    Membership.objects.create(user=user, team=team, role=role)
-    return user
-
-
-def _sandbox(team: Team, status: str = S.RUNNING, **fields) -> Sandbox:
-    fields.setdefault("expires_at", timezone.now() + timedelta(hours=1))
-    return Sandbox.objects.create(
-        team=team, image="busybox", image_digest="sha256:" + "b" * 64, status=status, **fields
-    )
-
-
-@pytest.fixture
-def alpha(db) -> Team:
-    return Team.objects.create(name="alpha")
-
-
-@pytest.fixture
-def beta(db) -> Team:
-    return Team.objects.create(name="beta")
-
-
-@pytest.fixture
-def ann(client, alpha):
-    user = _member("ann", alpha)
-    client.force_login(user)
-    return user
-
 
 # -- sign-in --------------------------------------------------------------------------------------
 
 
 @pytest.mark.django_db
 def test_sign_in_page_renders_and_signs_in(client, alpha):
-    _member("ann", alpha)
+    make_member("ann", alpha)
     page = client.get("/login/")
     assert page.status_code == 200
     html = page.content.decode()
@@ -95,7 +63,7 @@ def test_failed_sign_ins_make_the_next_ones_wait_on_every_sign_in_form(
     import time
 
     settings.HANGAR_LOGIN_FREE_FAILURES = 3
-    _member("ann", alpha)
+    make_member("ann", alpha)
     for _ in range(4):  # three free, the fourth makes the next wait 1 s
         wrong = client.post("/login/", {"username": "ann", "password": "nope"})
         assert wrong.status_code == 200 and "msg error" in wrong.content.decode()
@@ -119,7 +87,7 @@ def test_failed_sign_ins_make_the_next_ones_wait_on_every_sign_in_form(
 @pytest.mark.django_db
 def test_one_address_trying_many_accounts_is_throttled_too(client, alpha, settings, fresh_throttle):
     settings.HANGAR_LOGIN_FREE_FAILURES = 2  # an address: four times that, 8
-    _member("bob", alpha)
+    make_member("bob", alpha)
     for i in range(9):
         client.post("/login/", {"username": f"user{i}", "password": "guess"})
     r = client.post("/login/", {"username": "bob", "password": "pw"})
@@ -150,7 +118,7 @@ def test_pages_require_sign_in(client, url):
 
 @pytest.mark.django_db
 def test_posts_require_sign_in(client, alpha):
-    sandbox = _sandbox(alpha)
+    sandbox = make_sandbox(alpha)
     for url in (f"/sandboxes/{sandbox.id}/stop/", f"/sandboxes/{sandbox.id}/delete/", "/sandboxes/"):
         assert client.post(url).status_code == 302
     assert Sandbox.objects.get(id=sandbox.id).status == S.RUNNING
@@ -162,8 +130,8 @@ def test_posts_require_sign_in(client, alpha):
 @pytest.mark.django_db
 def test_sandbox_list_shows_the_current_teams_sandboxes_only(client, ann, alpha, beta):
     node = node_register(name="node-a", launchers=GVISOR, cpu=4, memory_mb=8192)
-    mine = _sandbox(alpha, node=node, memory_mb=768)
-    theirs = _sandbox(beta)
+    mine = make_sandbox(alpha, node=node, memory_mb=768)
+    theirs = make_sandbox(beta)
     page = client.get("/sandboxes/").content.decode()
     assert mine.id in page and theirs.id not in page
     assert f'id="sb-{mine.id}"' in page and "node-a" in page and "768 MB" in page
@@ -178,7 +146,7 @@ def test_sandbox_list_and_page_show_cpu_memory_and_disk_in_use_from_the_last_sam
     from runtime.notify import redis_client
     from runtime.services.sandbox_io import STATS_KEY
 
-    sampled, unsampled = _sandbox(alpha, disk_mb=2048), _sandbox(alpha)
+    sampled, unsampled = make_sandbox(alpha, disk_mb=2048), make_sandbox(alpha)
     sample = {"cpu_pct": 12.4, "memory_bytes": 50 * 1024 * 1024, "disk_bytes": 300 * 1024 * 1024}
     redis_client().hset(STATS_KEY, sampled.id, json.dumps(sample))
     try:
@@ -201,10 +169,10 @@ def test_sandbox_list_and_page_show_cpu_memory_and_disk_in_use_from_the_last_sam
 
 @pytest.mark.django_db
 def test_sandbox_list_filters_by_status(client, ann, alpha):
-    running = _sandbox(alpha, S.RUNNING)
-    stopped = _sandbox(alpha, S.STOPPED)
-    failed = _sandbox(alpha, S.FAILED, status_reason="out of memory")
-    deleted = _sandbox(alpha, S.DELETED)
+    running = make_sandbox(alpha, S.RUNNING)
+    stopped = make_sandbox(alpha, S.STOPPED)
+    failed = make_sandbox(alpha, S.FAILED, status_reason="out of memory")
+    deleted = make_sandbox(alpha, S.DELETED)
 
     active = client.get("/sandboxes/").content.decode()
     assert all(s.id in active for s in (running, stopped, failed)) and deleted.id not in active
@@ -272,7 +240,7 @@ def test_sandbox_list_with_a_thousand_sandboxes_is_a_bounded_number_of_queries(
 
 @pytest.mark.django_db
 def test_live_rows_render_as_out_of_band_table_rows(alpha, beta):
-    mine, theirs = _sandbox(alpha, S.STARTING), _sandbox(beta)
+    mine, theirs = make_sandbox(alpha, S.STARTING), make_sandbox(beta)
     rows = sandbox_rows_context(team=alpha, ids=[mine.id, theirs.id])
     assert [r.sandbox.id for r in rows] == [mine.id]
     html = render_to_string("hangar/partials/sandbox_rows_oob.html", {"rows": rows})
@@ -283,7 +251,7 @@ def test_live_rows_render_as_out_of_band_table_rows(alpha, beta):
 
 @pytest.mark.django_db
 def test_live_detail_push_replaces_the_header_and_appends_events(alpha):
-    sandbox = _sandbox(alpha, S.FAILED, status_reason="the runtime crashed")
+    sandbox = make_sandbox(alpha, S.FAILED, status_reason="the runtime crashed")
     event = SandboxEvent.objects.create(
         sandbox=sandbox, kind="status", status_from="running", status_to="failed"
     )
@@ -299,7 +267,7 @@ def test_live_detail_push_replaces_the_header_and_appends_events(alpha):
 def test_team_switcher_switches_team_and_refuses_a_foreign_one(client, ann, alpha, beta):
     gamma = Team.objects.create(name="gamma")
     Membership.objects.create(user=ann, team=beta, role=Membership.Role.VIEWER)
-    in_alpha, in_beta, in_gamma = _sandbox(alpha), _sandbox(beta), _sandbox(gamma)
+    in_alpha, in_beta, in_gamma = make_sandbox(alpha), make_sandbox(beta), make_sandbox(gamma)
 
     page = client.get("/sandboxes/").content.decode()
     assert 'id="team-select"' in page and in_alpha.id in page and in_beta.id not in page
@@ -396,7 +364,7 @@ def test_create_redirects_to_the_sandbox_page_which_shows_it_starting(client, an
 
 @pytest.mark.django_db
 def test_viewer_sees_no_create_form_and_cannot_create(client, alpha):
-    client.force_login(_member("vic", alpha, Membership.Role.VIEWER))
+    client.force_login(make_member("vic", alpha, Membership.Role.VIEWER))
     Image.objects.create(name="busybox", digest="sha256:" + "a" * 64)
     assert 'id="create-form"' not in client.get("/sandboxes/").content.decode()
     r = client.post("/sandboxes/", {"image": "busybox", "runtime": "gvisor", "cpu": "1", "memory_mb": "512",
@@ -409,7 +377,7 @@ def test_viewer_sees_no_create_form_and_cannot_create(client, alpha):
 
 @pytest.mark.django_db
 def test_sandbox_page_is_a_404_for_another_teams_sandbox(client, ann, beta):
-    theirs = _sandbox(beta)
+    theirs = make_sandbox(beta)
     assert client.get(f"/sandboxes/{theirs.id}/").status_code == 404
     assert client.get(f"/sandboxes/{theirs.id}/?tab=events", HTTP_HX_REQUEST="true").status_code == 404
     assert client.post(f"/sandboxes/{theirs.id}/stop/").status_code == 404
@@ -420,7 +388,7 @@ def test_sandbox_page_is_a_404_for_another_teams_sandbox(client, ann, beta):
 @pytest.mark.django_db
 def test_sandbox_page_header_shows_the_sandbox(client, ann, alpha):
     node = node_register(name="node-a", launchers=GVISOR, cpu=4, memory_mb=8192)
-    sandbox = _sandbox(alpha, node=node, cpu=2, memory_mb=1024)
+    sandbox = make_sandbox(alpha, node=node, cpu=2, memory_mb=1024)
     page = client.get(f"/sandboxes/{sandbox.id}/").content.decode()
     assert 'id="sb-header"' in page and 'class="status running"' in page and "node-a" in page
     assert (
@@ -437,7 +405,7 @@ def test_sandbox_page_header_shows_the_sandbox(client, ann, alpha):
 
 @pytest.mark.django_db
 def test_failed_sandbox_shows_its_reason_and_tabs_say_they_need_a_running_one(client, ann, alpha):
-    sandbox = _sandbox(alpha, S.FAILED, status_reason="image busybox is not on node node-z")
+    sandbox = make_sandbox(alpha, S.FAILED, status_reason="image busybox is not on node node-z")
     page = client.get(f"/sandboxes/{sandbox.id}/").content.decode()
     assert "image busybox is not on node node-z" in page and 'id="events-body"' in page  # opens on Events
     for tab in ("terminal", "commands", "files"):
@@ -452,7 +420,7 @@ def test_failed_sandbox_shows_its_reason_and_tabs_say_they_need_a_running_one(cl
 
 @pytest.mark.django_db
 def test_events_tab_lists_the_sandboxes_events(client, ann, alpha):
-    sandbox = _sandbox(alpha)
+    sandbox = make_sandbox(alpha)
     first = SandboxEvent.objects.create(sandbox=sandbox, kind="status", message="scheduled on node node-a")
     last = SandboxEvent.objects.create(
         sandbox=sandbox, kind="status", status_from="starting", status_to="running"
@@ -471,7 +439,7 @@ def test_events_tab_lists_the_sandboxes_events(client, ann, alpha):
 
 @pytest.mark.django_db
 def test_commands_tab_lists_history_and_shows_stored_output(client, ann, alpha):
-    sandbox = _sandbox(alpha, S.STOPPED)
+    sandbox = make_sandbox(alpha, S.STOPPED)
     done = Exec.objects.create(sandbox=sandbox, kind=Exec.Kind.STREAM, argv=["/bin/sh", "-c", "echo hi; echo oops >&2"],
                                status=Exec.Status.EXITED, exit_code=3, stdout="hi\n", stderr="oops\n",
                                stdout_bytes=3, stderr_bytes=5, duration_ms=1520)  # fmt: skip
@@ -487,7 +455,7 @@ def test_commands_tab_lists_history_and_shows_stored_output(client, ann, alpha):
 
 @pytest.mark.django_db
 def test_commands_tab_attaches_to_a_running_process(client, ann, alpha):
-    sandbox = _sandbox(alpha)
+    sandbox = make_sandbox(alpha)
     live = Exec.objects.create(sandbox=sandbox, kind=Exec.Kind.STREAM, argv=["/bin/sh", "-c", "sleep 100"],
                                status=Exec.Status.RUNNING)  # fmt: skip
     html = client.get(f"/sandboxes/{sandbox.id}/?tab=commands&process={live.id}").content.decode()
@@ -497,14 +465,14 @@ def test_commands_tab_attaches_to_a_running_process(client, ann, alpha):
 
 @pytest.mark.django_db
 def test_empty_commands_history_says_so(client, ann, alpha):
-    sandbox = _sandbox(alpha)
+    sandbox = make_sandbox(alpha)
     html = client.get(f"/sandboxes/{sandbox.id}/?tab=commands").content.decode()
     assert "No commands yet" in html
 
 
 @pytest.mark.django_db
 def test_file_errors_are_messages_not_server_errors(client, ann, alpha):
-    sandbox = _sandbox(alpha, S.STOPPED)
+    sandbox = make_sandbox(alpha, S.STOPPED)
     r = client.get(f"/sandboxes/{sandbox.id}/files/download?path=/etc/hostname")
     assert r.status_code == 302 and r["Location"] == f"/sandboxes/{sandbox.id}/?tab=files&path=%2Fetc"
     page = client.get(r["Location"]).content.decode()
@@ -517,8 +485,8 @@ def test_file_errors_are_messages_not_server_errors(client, ann, alpha):
 
 @pytest.mark.django_db
 def test_viewer_may_look_but_not_change(client, alpha):
-    client.force_login(_member("vic", alpha, Membership.Role.VIEWER))
-    sandbox = _sandbox(alpha)
+    client.force_login(make_member("vic", alpha, Membership.Role.VIEWER))
+    sandbox = make_sandbox(alpha)
     page = client.get(f"/sandboxes/{sandbox.id}/").content.decode()
     assert 'id="stop-button"' not in page and 'class="role-viewer"' in page
     assert 'id="new-terminal"' not in page and 'id="terminal-opening"' not in page
@@ -534,7 +502,7 @@ def test_viewer_may_look_but_not_change(client, alpha):
 
 @pytest.mark.django_db
 def test_stop_delete_and_extend(client, ann, alpha):
-    sandbox = _sandbox(alpha)  # no node: the services finish the move at once
+    sandbox = make_sandbox(alpha)  # no node: the services finish the move at once
     r = client.post(f"/sandboxes/{sandbox.id}/keepalive/", {"seconds": "7200"}, HTTP_HX_REQUEST="true")
     html = r.content.decode()
     assert r.status_code == 200 and html.startswith('<section id="sb-header"') and "7200 s from now" in html
@@ -556,262 +524,27 @@ def test_stop_delete_and_extend(client, ann, alpha):
 
 @pytest.mark.django_db
 def test_overview_counts_the_current_teams_sandboxes(client, ann, alpha, beta):
-    _sandbox(alpha, S.RUNNING)
-    _sandbox(beta, S.RUNNING)
-    _sandbox(beta, S.RUNNING)
+    make_sandbox(alpha, S.RUNNING)
+    make_sandbox(beta, S.RUNNING)
+    make_sandbox(beta, S.RUNNING)
     page = client.get("/").content.decode()
     assert '<div class="num">1</div><div class="label">running sandboxes</div>' in page
 
 
-# -- files, against a fake of the file services (a running sandbox needs runsc) -------------------
-
-
-class FakeSandboxFiles:
-    """Stands in for the node side of the file services: a dict of path -> bytes."""
-
-    def __init__(self, files: dict[str, bytes]) -> None:
-        self.files = files
-        self.written: dict[str, bytes] = {}
-        self.no_pseudo_fs: list[bool] = []  # what each read and listing asked for
-
-    def entry(self, path: str):
-        from runtime.launchers.base import FileEntry
-
-        is_dir = path not in self.files
-        size = 0 if is_dir else len(self.files[path])
-        return FileEntry(
-            path.rsplit("/", 1)[-1],
-            path,
-            "dir" if is_dir else "file",
-            size,
-            0o755 if is_dir else 0o644,
-            1.7e9,
-        )
-
-    def list(self, *, sandbox, path, no_pseudo_fs=False):
-        from runtime.errors import NotFound
-
-        self.no_pseudo_fs.append(no_pseudo_fs)
-        prefix = path.rstrip("/") + "/"
-        names = {p[len(prefix) :].split("/")[0] for p in self.files if p.startswith(prefix)}
-        if not names and path != "/":
-            raise NotFound(f"{path}: No such file or directory")
-        return [self.entry(prefix + n) for n in sorted(names)]
-
-    def read(self, *, sandbox, path, no_pseudo_fs=False):
-        from runtime.errors import NotFound
-
-        self.no_pseudo_fs.append(no_pseudo_fs)
-        if path not in self.files:
-            raise NotFound(f"{path}: No such file or directory")
-        data = self.files[path]
-        return self.entry(path), iter([data[i : i + 65536] for i in range(0, len(data), 65536)])
-
-    def write(self, *, sandbox, path, data, size=None):
-        self.written[path] = data = b"".join(data)  # the upload's chunks, as the page streams them
-        return len(data)
-
-
-@pytest.fixture
-def fake_files(monkeypatch):
-    from runtime.services import sandbox_io as svc
-
-    fake = FakeSandboxFiles(
-        {
-            "/etc/hostname": b"sandbox\n",
-            "/etc/motd": "héllo wörld\n".encode(),
-            "/bin/busybox": b"\x7fELF\x00\x01" * 100,
-            "/var/log/big.log": b"line\n" * 100_000,
-        }
+@pytest.mark.django_db
+def test_the_create_form_and_the_node_table_say_whether_microvm_has_kvm(client, ann):
+    """A microVM node says whether its KVM runs guests (the node's probe); the form and the nodes
+    table say so beside the runtime, so a user knows a create there boots in seconds, not less."""
+    Image.objects.create(name="busybox", digest="sha256:" + "a" * 64)
+    caps = {"network": True, "checkpoint": True}
+    node_register(
+        name="emulated", launchers={GVISOR: caps, "microvm": {**caps, "kvm": False}}, cpu=2, memory_mb=4096
     )
-    monkeypatch.setattr(svc, "sandbox_file_list", fake.list)
-    monkeypatch.setattr(svc, "sandbox_file_read", fake.read)
-    monkeypatch.setattr(svc, "sandbox_file_write", fake.write)
-    return fake
-
-
-@pytest.mark.django_db
-def test_files_tab_browses_directories_dirs_first_with_breadcrumbs(client, ann, alpha, fake_files):
-    sandbox = _sandbox(alpha)
-    root = client.get(f"/sandboxes/{sandbox.id}/?tab=files", HTTP_HX_REQUEST="true").content.decode()
-    assert 'id="file-list"' in root and 'data-path="/etc"' in root and 'id="upload-input"' in root
-    etc = client.get(
-        f"/sandboxes/{sandbox.id}/?tab=files&path=/etc/", HTTP_HX_REQUEST="true"
-    ).content.decode()
-    assert etc.index('data-path="/etc/hostname"') < etc.index('data-path="/etc/motd"')
-    assert 'name="path" value="/etc"' in etc and ">etc</a>" in etc and "rw-r--r--" in etc
-    assert f"/sandboxes/{sandbox.id}/files/download?path=/etc/hostname" in etc
-    var = client.get(f"/sandboxes/{sandbox.id}/?tab=files&path=/var", HTTP_HX_REQUEST="true").content.decode()
-    assert var.index('data-type="parent"') < var.index('data-path="/var/log"')
-    missing = client.get(f"/sandboxes/{sandbox.id}/?tab=files&path=/nope", HTTP_HX_REQUEST="true")
-    assert (
-        missing.status_code == 200
-        and "Could not list /nope: /nope: No such file or directory" in missing.content.decode()
-    )
-
-
-@pytest.mark.django_db
-def test_files_tab_shows_text_inline_and_says_binary_or_truncated(client, ann, alpha, fake_files):
-    sandbox = _sandbox(alpha)
-    url = f"/sandboxes/{sandbox.id}/?tab=files&path=/etc&file="
-    text = client.get(url + "/etc/motd").content.decode()
-    assert '<pre class="file-content" id="file-content">héllo wörld\n</pre>' in text
-    binary = client.get(url + "/bin/busybox").content.decode()
-    assert 'id="file-binary"' in binary and 'id="file-content"' not in binary
-    big = client.get(url + "/var/log/big.log").content.decode()
-    assert 'id="file-truncated"' in big and "256 KiB" in big
-    gone = client.get(url + "/etc/gone").content.decode()
-    assert "Could not open /etc/gone" in gone and 'id="file-list"' in gone
-
-
-@pytest.mark.django_db
-def test_download_streams_the_file_as_an_attachment(client, ann, alpha, fake_files):
-    sandbox = _sandbox(alpha)
-    r = client.get(f"/sandboxes/{sandbox.id}/files/download?path=/var/log/big.log")
-    assert r.status_code == 200 and r.streaming
-    assert (
-        r["Content-Length"] == str(500_000)
-        and r["Content-Disposition"] == "attachment; filename*=UTF-8''big.log"
-    )
-    assert (
-        async_to_sync(_collect)(r.streaming_content) == b"line\n" * 100_000
-    )  # an async stream: not read whole
-
-
-async def _collect(stream) -> bytes:
-    return b"".join([chunk async for chunk in stream])
-
-
-@pytest.mark.django_db
-def test_a_viewers_file_reads_keep_out_of_proc_and_sys(client, alpha, fake_files):
-    sandbox = _sandbox(alpha)
-    base = f"/sandboxes/{sandbox.id}"
-    client.force_login(_member("vic", alpha, Membership.Role.VIEWER))
-    client.get(f"{base}/?tab=files&path=/etc&file=/etc/motd")
-    client.get(f"{base}/files/download?path=/etc/motd")
-    assert fake_files.no_pseudo_fs == [True, True, True]
-    fake_files.no_pseudo_fs.clear()
-    client.force_login(_member("mo", alpha))
-    client.get(f"{base}/?tab=files&path=/etc&file=/etc/motd")
-    client.get(f"{base}/files/download?path=/etc/motd")
-    assert fake_files.no_pseudo_fs == [False, False, False]
-
-
-@pytest.mark.django_db
-def test_upload_writes_into_the_current_directory(client, ann, alpha, fake_files):
-    from django.core.files.uploadedfile import SimpleUploadedFile
-
-    sandbox = _sandbox(alpha)
-    upload = SimpleUploadedFile("notes.txt", b"remember the milk\n")
-    r = client.post(
-        f"/sandboxes/{sandbox.id}/files/upload", {"path": "/tmp", "file": upload}, HTTP_HX_REQUEST="true"
-    )
-    assert r.status_code == 200 and "Uploaded /tmp/notes.txt (18 bytes)" in r.content.decode()
-    assert r["HX-Push-Url"] == f"/sandboxes/{sandbox.id}/?tab=files&path=%2Ftmp"
-    assert fake_files.written == {"/tmp/notes.txt": b"remember the milk\n"}
-
-
-# -- images ---------------------------------------------------------------------------------------
-
-
-@pytest.mark.django_db
-def test_images_page_lists_images_and_jobs_and_only_staff_get_the_forms(client, ann, alpha):
-    node = node_register(name="node-a", launchers=GVISOR, cpu=4, memory_mb=8192)
-    Image.objects.create(name="busybox", digest="sha256:" + "a" * 64, size_bytes=2_000_000).nodes.add(node)
-    ImageJob.objects.create(kind="pull", ref="reg.example/app:1", name="app", node=node, status="failed",
-                            error="skopeo: connection refused")  # fmt: skip
-    page = client.get("/images/").content.decode()
-    assert 'id="image-busybox"' not in page  # rows are keyed by id
-    assert "busybox" in page and "node-a" in page and "reg.example/app:1" in page
-    assert 'ws-connect="/ws/ui/images"' in page
-    assert 'id="pull-form"' not in page and "administrators build and pull" in page
-    r = client.post("/images/", {"action": "build", "kind": "busybox"})
-    assert r.status_code == 403 and "administrators" in r.content.decode()
-
-
-@pytest.mark.django_db
-def test_staff_start_a_build_and_land_on_its_page(client, alpha, settings):
-    get_user_model().objects.create_user("root", password="pw", is_staff=True)
-    client.login(username="root", password="pw")
-    node = settings.HANGAR_NODE_NAME  # where a build goes: this node, whatever a run calls it
-    node_register(name=node, launchers=GVISOR, cpu=4, memory_mb=8192)
-    page = client.get("/images/").content.decode()
-    assert 'id="pull-form"' in page and 'id="build-form"' in page
-    r = client.post("/images/", {"action": "pull", "ref": "has space"})
-    assert r.status_code == 422 and "invalid image reference" in r.content.decode()
-    assert 'value="has space"' in r.content.decode()  # what was typed stays
-    r = client.post("/images/", {"action": "build", "kind": "busybox"})
-    job = ImageJob.objects.get()
-    assert r.status_code == 302 and r["Location"] == f"/images/jobs/{job.id}/"
-    page = client.get(r["Location"]).content.decode()
-    assert f'ws-connect="/ws/ui/images/jobs/{job.id}"' in page and f"Waiting for node {node}" in page
-    assert client.get("/images/jobs/424242/").status_code == 404
-
-
-# -- volumes --------------------------------------------------------------------------------------
-
-
-@pytest.mark.django_db
-def test_volumes_page_lists_the_teams_volumes_with_their_holders(client, ann, alpha, beta):
-    from runtime.models import SandboxVolume, Volume
-
-    node = node_register(name="node-a", launchers=GVISOR, cpu=4, memory_mb=8192)
-    mine = Volume.objects.create(team=alpha, name="workspace", size_mb=1024, node=node)
-    Volume.objects.create(team=beta, name="secret-stuff", size_mb=64, node=node)
-    holder = _sandbox(alpha)
-    SandboxVolume.objects.create(sandbox=holder, volume=mine, mount_path="/workspace")
-    page = client.get("/volumes/").content.decode()
-    assert f'id="vol-{mine.id}"' in page and "1024 MB" in page and holder.id in page
-    assert "secret-stuff" not in page
-    # Deleting a held volume is refused with the holders named, and nothing is lost.
-    r = client.post("/volumes/", {"action": "delete", "volume": mine.id})
-    assert r.status_code == 409 and holder.id in r.content.decode()
-    assert Volume.objects.filter(id=mine.id).exists()
-    r = client.post("/volumes/", {"action": "create", "name": "Bad Name", "size_mb": "64"})
-    assert r.status_code == 422 and "invalid volume name" in r.content.decode()
-    assert 'value="Bad Name"' in r.content.decode()
-    # The sandbox page says what it has attached.
-    detail = client.get(f"/sandboxes/{holder.id}/").content.decode()
-    assert 'id="sb-volumes"' in detail and "/workspace" in detail
-
-
-@pytest.mark.django_db
-def test_viewers_cannot_create_or_delete_volumes(client, alpha):
-    viewer = _member("vic", alpha, role=Membership.Role.VIEWER)
-    client.force_login(viewer)
-    page = client.get("/volumes/").content.decode()
-    assert 'id="volume-form"' not in page
-    assert client.post("/volumes/", {"action": "create", "name": "x", "size_mb": "64"}).status_code == 403
-
-
-@pytest.mark.django_db
-def test_pause_and_resume_from_the_sandbox_page(client, ann, alpha):
-    node = node_register(name="node-a", launchers=GVISOR, cpu=4, memory_mb=8192)
-    Image.objects.create(name="busybox", digest="sha256:" + "b" * 64).nodes.add(node)
-    sb = _sandbox(alpha, node=node)
-    page = client.get(f"/sandboxes/{sb.id}/").content.decode()
-    assert 'id="pause-button"' in page and 'id="resume-button"' not in page
-    r = client.post(f"/sandboxes/{sb.id}/pause/")
-    assert r.status_code in (200, 302)
-    assert Sandbox.objects.get(id=sb.id).status == S.PAUSING
-    Sandbox.objects.filter(id=sb.id).update(status=S.PAUSED)  # what the node's task does
-    page = client.get(f"/sandboxes/{sb.id}/").content.decode()
-    assert 'id="resume-button"' in page and "its files are kept" in page
-    client.post(f"/sandboxes/{sb.id}/resume/")
-    assert Sandbox.objects.get(id=sb.id).status == S.RESUMING
-    # Pausing what is not running is refused with the reason, not an error page.
-    r = client.post(f"/sandboxes/{sb.id}/pause/", follow=True)
-    assert "only a running sandbox can be paused" in r.content.decode()
-
-
-@pytest.mark.django_db
-def test_sandboxes_page_shows_warm_pools_and_hides_their_unclaimed_members(client, ann, alpha):
-    from runtime.models import Pool
-
-    node = node_register(name="node-a", launchers=GVISOR, cpu=4, memory_mb=8192)
-    pool = Pool.objects.create(team=alpha, image="busybox", memory_mb=256, size=3)
-    warm = [_sandbox(alpha, node=node, pool=pool) for _ in range(2)]
-    claimed = _sandbox(alpha, node=node, pool=pool, claimed_at=timezone.now())
     page = client.get("/sandboxes/").content.decode()
-    assert f'id="pool-{pool.id}" data-ready="2" data-size="3"' in page
-    assert claimed.id in page and not any(w.id in page for w in warm)
+    assert '<option value="microvm">microvm (emulated: no KVM)</option>' in page, page
+    assert "microvm: emulated: no KVM (its nodes say)" in page
+    assert '<option value="gvisor">gvisor</option>' in page  # no notes: it has it all, and is no VM
+    nodes = client.get("/", HTTP_HX_REQUEST="true").content.decode()
+    assert "microvm (emulated: no KVM)" in nodes
+    node_register(name="fast", launchers={"microvm": {**caps, "kvm": True}}, cpu=2, memory_mb=4096)
+    assert '<option value="microvm">microvm (KVM)</option>' in client.get("/sandboxes/").content.decode()
