@@ -96,6 +96,8 @@ class Node(models.Model):
     memory_mb_capacity = models.IntegerField(default=1024)
     version = models.CharField(max_length=32, blank=True)
     tunnel_address = models.CharField(max_length=200, blank=True)  # host:port of its tunnels
+    # The operator's labels ({"zone": "a", "gpu": "h100"}), matched by a sandbox's node_selector.
+    labels = models.JSONField(default=dict, blank=True)
     # Free space where its sandboxes' disks are (they are thin), as of its last heartbeat.
     disk_free_mb = models.IntegerField(null=True, blank=True)
     heartbeat_at = models.DateTimeField(null=True, blank=True)
@@ -249,6 +251,8 @@ class Sandbox(models.Model):
     image_digest = models.CharField(max_length=80)
     runtime = models.CharField(max_length=32, default=default_runtime)
     node = models.ForeignKey(Node, null=True, blank=True, on_delete=models.SET_NULL, related_name="sandboxes")
+    # Labels its node must carry, every one of them ({"zone": "a"}); empty: any node.
+    node_selector = models.JSONField(default=dict, blank=True)
     status = models.CharField(max_length=16, choices=Status.choices, default=Status.PENDING, db_index=True)
     status_reason = models.TextField(blank=True)
     cpu = models.FloatField(default=1.0)
