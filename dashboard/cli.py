@@ -13,7 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from dashboard import supervise
+from dashboard import node_cli, supervise
 
 
 def _setup_django() -> Any:
@@ -392,13 +392,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     )  # fmt: skip
     up.set_defaults(fn=cmd_up)
 
-    node = sub.add_parser(
-        "node", help="join this machine as a node of an existing Hangar (same DB and Redis)"
-    )
-    node.add_argument("--concurrency", type=int, default=32)
-    node.add_argument("--migrate", action="store_true", help="apply database migrations first")
-    node.add_argument("--log-level", default=os.environ.get("HANGAR_LOG_LEVEL", "WARNING"))
-    node.set_defaults(fn=cmd_node)
+    node_cli.add_node_commands(sub, cmd_node)
 
     bridge = sub.add_parser(
         "bridge", help="run this node's stream bridge alone (hangar up and hangar node start it)"
