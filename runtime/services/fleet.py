@@ -80,7 +80,7 @@ def node_drain(*, name: str) -> dict[str, Any]:
     )
     for member in members.select_related("pool", "pool__team", "node"):
         try:
-            sandbox_start_member(pool=member.pool)  # type: ignore[arg-type]  # placed on a ready node
+            sandbox_start_member(pool=member.pool)  # placed on a ready node
         except (NoCapacity, NotFound, InvalidValue, QuotaExceeded):
             kept.append(member.id)  # nowhere to put it: it ends with the pool, or by hand
             continue

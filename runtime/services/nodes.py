@@ -53,7 +53,7 @@ def node_register(
     now = timezone.now()
     with transaction.atomic():
         existing = Node.objects.select_for_update().filter(name=name).first()
-        state = N.READY
+        state: str = N.READY
         if existing is not None and existing.state in (N.CORDONED, N.DRAINING):
             state = existing.state
         elif (
