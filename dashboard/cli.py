@@ -37,6 +37,13 @@ def _as_cli() -> None:
     audit.set_actor(audit.Actor(via="cli", username=f"cli:{getpass.getuser()}"))
 
 
+def admin_setup() -> None:
+    """What an admin command needs first: Django, the schema up to date, the CLI as the actor."""
+    _setup_django()
+    _migrate()
+    _as_cli()
+
+
 def _say(message: str) -> None:
     print(message, flush=True)
 

@@ -15,11 +15,9 @@ from typing import Any
 
 
 def _django() -> None:
-    from dashboard.cli import _as_cli, _migrate, _setup_django
+    from dashboard.cli import admin_setup
 
-    _setup_django()
-    _migrate()
-    _as_cli()
+    admin_setup()
 
 
 def _said(node: Any) -> str:
