@@ -19,7 +19,7 @@ from .schemas import StrictIn
 router = Router(tags=["nodes"])
 
 
-class NodeOut(Schema):
+class FleetNodeOut(Schema):
     name: str
     state: str = Field(description="ready | cordoned | draining | removed | lost")
     runtimes: list[str] | None = None
@@ -89,7 +89,7 @@ def _visible(node: dict[str, Any], staff: bool) -> dict[str, Any]:
     return node if staff else {"name": node["name"], "state": node["state"]}
 
 
-@router.get("", response=list[NodeOut], exclude_none=True)
+@router.get("", response=list[FleetNodeOut], exclude_none=True)
 async def list_nodes(request: AuthedRequest):
     """Every node: site staff see its runtimes, capacity and allocation, labels, sandbox count,
     last heartbeat and version; others see names and states."""
@@ -135,14 +135,14 @@ async def join(request: HttpRequest, payload: JoinIn):
     )()
 
 
-@router.post("/{name}/cordon", response=NodeOut)
+@router.post("/{name}/cordon", response=FleetNodeOut)
 async def cordon(request: AuthedRequest, name: str):
     """No new sandbox is placed there; what runs there goes on."""
     await blocking(lambda: fleet.node_cordon(name=name))()
     return await _one(name)
 
 
-@router.post("/{name}/uncordon", response=NodeOut)
+@router.post("/{name}/uncordon", response=FleetNodeOut)
 async def uncordon(request: AuthedRequest, name: str):
     """A cordoned or draining node takes new sandboxes again."""
     await blocking(lambda: fleet.node_uncordon(name=name))()
@@ -156,7 +156,7 @@ async def drain(request: AuthedRequest, name: str):
     return await blocking(lambda: fleet.node_drain(name=name))()
 
 
-@router.delete("/{name}", response=NodeOut)
+@router.delete("/{name}", response=FleetNodeOut)
 async def remove(request: AuthedRequest, name: str):
     """Take it out for good: a 409 while it still holds sandboxes."""
     await blocking(lambda: fleet.node_remove(name=name))()
