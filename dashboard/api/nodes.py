@@ -63,7 +63,8 @@ class JoinTokenOut(Schema):
 
     @staticmethod
     def resolve_created_by(obj: Any) -> str | None:
-        return obj.created_by.get_username() if obj.created_by is not None else None
+        user = obj["created_by"] if isinstance(obj, dict) else obj.created_by
+        return user if user is None or isinstance(user, str) else user.get_username()
 
 
 class JoinTokenCreatedOut(JoinTokenOut):
