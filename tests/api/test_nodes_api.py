@@ -284,16 +284,16 @@ def test_join_tokens_through_the_api_single_use_expiry_revocation(fleet_team, se
     assert call("POST", "/nodes/join", None, {"token": "x", "name": "Bad Name!"})[0] == 422
 
 
-def test_a_control_plane_on_the_embedded_redis_or_sqlite_refuses_joins(fleet_team, settings):
+def test_a_control_plane_on_the_embedded_redis_or_sqlite_refuses_joins(fleet_team, settings, monkeypatch):
     issued = fleet.join_token_create(user=None)
     settings.REDIS_URL = "unix:///tmp/hangar/redis.sock?db=0"
     status, body = call("POST", "/nodes/join", None, {"token": issued.raw, "name": "nope"})
     assert status == 409 and "embedded Redis" in body["detail"]
     assert NodeJoinToken.objects.get(id=issued.token.id).used == 0  # not spent on a refusal
-    settings.DATABASES = {
-        "default": {**settings.DATABASES["default"], "ENGINE": "django.db.backends.sqlite3"}
-    }
-    assert "SQLite" in fleet.join_refusal()
+    settings.REDIS_URL = "redis://10.0.0.1:6379/0"
+    assert fleet.join_refusal() == ""
+    monkeypatch.setitem(settings.DATABASES["default"], "ENGINE", "django.db.backends.sqlite3")
+    assert "runs on SQLite" in fleet.join_refusal()
 
 
 # -- the Nodes page ---------------------------------------------------------------------------
