@@ -219,7 +219,8 @@ def cmd_node(args: argparse.Namespace) -> int:
     from runtime.models import Node
     from runtime.node.local import local_node_id, local_node_name
 
-    _prepare_node(settings, build_default_image=False)
+    # A node that has just joined builds the default image if it holds none (placement needs it).
+    _prepare_node(settings, build_default_image=bool(getattr(args, "joined", False)))
     node = Node.objects.get(name=local_node_name())
     _say(f"hangar: node {node.name} consuming {node.queue} (host id {local_node_id()})")
     py = sys.executable

@@ -160,6 +160,7 @@ def cmd_join(args: argparse.Namespace) -> int:
     print(f"hangar: joined {args.url} as node {answer['name']}"
           + (f" (labels {','.join(f'{k}={v}' for k, v in answer['labels'].items())})" if answer["labels"] else ""),
           flush=True)  # fmt: skip
+    args.joined = True  # builds the default image (busybox) if this machine holds none
     return run_node(args, env)
 
 
