@@ -13,7 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from dashboard import supervise
+from dashboard import node_cli, supervise
 
 
 def _setup_django() -> Any:
@@ -35,6 +35,13 @@ def _as_cli() -> None:
     from runtime.services import audit
 
     audit.set_actor(audit.Actor(via="cli", username=f"cli:{getpass.getuser()}"))
+
+
+def admin_setup() -> None:
+    """What an admin command needs first: Django, the schema up to date, the CLI as the actor."""
+    _setup_django()
+    _migrate()
+    _as_cli()
 
 
 def _say(message: str) -> None:
@@ -212,7 +219,8 @@ def cmd_node(args: argparse.Namespace) -> int:
     from runtime.models import Node
     from runtime.node.local import local_node_id, local_node_name
 
-    _prepare_node(settings, build_default_image=False)
+    # A node that has just joined builds the default image if it holds none (placement needs it).
+    _prepare_node(settings, build_default_image=bool(getattr(args, "joined", False)))
     node = Node.objects.get(name=local_node_name())
     _say(f"hangar: node {node.name} consuming {node.queue} (host id {local_node_id()})")
     py = sys.executable
@@ -392,13 +400,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     )  # fmt: skip
     up.set_defaults(fn=cmd_up)
 
-    node = sub.add_parser(
-        "node", help="join this machine as a node of an existing Hangar (same DB and Redis)"
-    )
-    node.add_argument("--concurrency", type=int, default=32)
-    node.add_argument("--migrate", action="store_true", help="apply database migrations first")
-    node.add_argument("--log-level", default=os.environ.get("HANGAR_LOG_LEVEL", "WARNING"))
-    node.set_defaults(fn=cmd_node)
+    node_cli.add_node_commands(sub, cmd_node)
 
     bridge = sub.add_parser(
         "bridge", help="run this node's stream bridge alone (hangar up and hangar node start it)"

@@ -266,8 +266,11 @@ CELERY_RESULT_EXPIRES = 3600
 CELERY_TASK_IGNORE_RESULT = True
 CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
 CELERY_BEAT_SCHEDULE_FILENAME = str(DATA_DIR / "celerybeat-schedule")
+HANGAR_NODE_HEARTBEAT_S = env_float("HANGAR_NODE_HEARTBEAT_S", 5.0)
 CELERY_BEAT_SCHEDULE = {
     "nodes-tick": {"task": "runtime.tasks.nodes_tick", "schedule": env_float("HANGAR_NODE_TICK_S", 10.0)},
+    # Heartbeats asked for and read this often: a dead node is lost within the threshold.
+    "nodes-heartbeat": {"task": "runtime.tasks.nodes_heartbeat", "schedule": HANGAR_NODE_HEARTBEAT_S},
     "sandboxes-reap": {
         "task": "runtime.tasks.sandboxes_reap",
         "schedule": env_float("HANGAR_REAP_TICK_S", 5.0),
@@ -304,7 +307,8 @@ HANGAR_CPU_OVERCOMMIT = env_float("HANGAR_CPU_OVERCOMMIT", 4.0)
 HANGAR_MEMORY_OVERCOMMIT = env_float("HANGAR_MEMORY_OVERCOMMIT", 1.0)
 # A node with less free space than this where its sandboxes' disks are gets no new sandboxes.
 HANGAR_NODE_MIN_FREE_DISK_MB = env_int("HANGAR_NODE_MIN_FREE_DISK_MB", 2048, minimum=0)
-HANGAR_NODE_OFFLINE_AFTER_S = env_int("HANGAR_NODE_OFFLINE_AFTER_S", 60, minimum=5)
+# A node silent this long is lost (docs/fleet.md): its death is seen within this many seconds.
+HANGAR_NODE_OFFLINE_AFTER_S = env_int("HANGAR_NODE_OFFLINE_AFTER_S", 30, minimum=5)
 HANGAR_SANDBOX_MIN_MEMORY_MB = env_int("HANGAR_SANDBOX_MIN_MEMORY_MB", 128, minimum=16)
 HANGAR_SANDBOX_MAX_MEMORY_MB = env_int("HANGAR_SANDBOX_MAX_MEMORY_MB", 16384, minimum=16)
 HANGAR_SANDBOX_MAX_CPU = env_float("HANGAR_SANDBOX_MAX_CPU", 16.0)

@@ -10,6 +10,7 @@ import os
 import re
 import signal
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -34,12 +35,33 @@ def say(message: str) -> None:
     print(message, flush=True)
 
 
+# Run before a child's own program (the same process: it execs): asks the kernel to SIGKILL it
+# when the supervisor dies (PR_SET_PDEATHSIG survives exec), so a supervisor killed with
+# SIGKILL leaves no worker or bridge behind, half-alive. If the supervisor is already gone
+# (its pid is no longer our parent), it does not start at all. A wrapper rather than a
+# preexec_fn: the supervisor has threads, and preexec_fn is not safe with threads.
+_DIE_WITH_PARENT = (
+    "import ctypes, os, signal, sys\n"
+    "ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL, 0, 0, 0)\n"  # PR_SET_PDEATHSIG
+    "os.getppid() == int(sys.argv[1]) or os._exit(1)\n"
+    "os.execvp(sys.argv[2], sys.argv[2:])\n"
+)
+
+
+def dies_with_parent(argv: list[str]) -> list[str]:
+    """``argv`` run so that it is killed when this process dies, however it dies."""
+    return [sys.executable, "-c", _DIE_WITH_PARENT, str(os.getpid()), *argv]
+
+
 def start_child(name: str, argv: list[str], env: dict[str, str], logs: Path) -> subprocess.Popen[bytes]:
     """Start one of Hangar's processes in its own process group (Ctrl-C reaches only the
-    supervisor, which stops them in order), its output appended to ``logs/<name>.log``."""
+    supervisor, which stops them in order), its output appended to ``logs/<name>.log``; it
+    dies with the supervisor (:func:`dies_with_parent`)."""
     with open(logs / f"{name}.log", "ab") as log:
         start = log.seek(0, os.SEEK_END)
-        proc = subprocess.Popen(argv, env=env, start_new_session=True, stdout=log, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(
+            dies_with_parent(argv), env=env, start_new_session=True, stdout=log, stderr=subprocess.STDOUT
+        )
     _echo_problems(name, logs / f"{name}.log", start)
     return proc
 

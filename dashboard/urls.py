@@ -6,7 +6,7 @@ from dashboard import otlp
 from dashboard.api import api
 from dashboard.e2b.api import api as e2b_api
 from dashboard.e2b.unsupported import unsupported as e2b_unsupported
-from dashboard.pages import harness_views, sandbox_views, team_views, trace_views, views
+from dashboard.pages import harness_views, node_views, sandbox_views, team_views, trace_views, views
 from dashboard.signin import SignInView, ThrottledAdminAuthenticationForm
 
 admin.site.login_form = ThrottledAdminAuthenticationForm
@@ -50,6 +50,9 @@ urlpatterns = [
     path("traces/", trace_views.traces, name="traces"),
     path("traces/<str:trace_id>/", trace_views.trace_detail, name="trace"),
     path("traces/<str:trace_id>/spans/<str:span_id>/", trace_views.trace_span, name="trace_span"),
+    path("nodes/", node_views.nodes, name="nodes"),
+    path("nodes/join-tokens/", node_views.join_token_create, name="node_join_token"),
+    path("nodes/<str:name>/<str:action>/", node_views.node_action, name="node_action"),
     path("images/", views.images, name="images"),
     path("volumes/", views.volumes, name="volumes"),
     path("images/jobs/<int:job_id>/", views.image_job, name="image_job"),

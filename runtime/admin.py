@@ -34,8 +34,8 @@ class ApiTokenAdmin(admin.ModelAdmin):
 
 @admin.register(Node)
 class NodeAdmin(admin.ModelAdmin):
-    list_display = ("name", "status", "cpu_capacity", "memory_mb_capacity", "heartbeat_at", "version")
-    list_filter = ("status",)
+    list_display = ("name", "state", "cpu_capacity", "memory_mb_capacity", "heartbeat_at", "version")
+    list_filter = ("state",)
 
 
 @admin.register(Image)

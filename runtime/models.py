@@ -82,13 +82,21 @@ class ApiToken(models.Model):
 
 
 class Node(models.Model):
-    class Status(models.TextChoices):
-        ONLINE = "online"
-        OFFLINE = "offline"
+    class State(models.TextChoices):
+        """``ready`` takes new sandboxes; ``cordoned`` keeps what it runs but takes none;
+        ``draining`` is cordoned while what it runs moves or ends; ``removed`` is gone for good
+        (until it joins again); ``lost`` stopped answering heartbeats (docs/fleet.md)."""
+
+        READY = "ready"
+        CORDONED = "cordoned"
         DRAINING = "draining"
+        REMOVED = "removed"
+        LOST = "lost"
 
     name = models.CharField(max_length=100, unique=True)
-    status = models.CharField(max_length=16, choices=Status.choices, default=Status.ONLINE)
+    state = models.CharField(max_length=16, choices=State.choices, default=State.READY)
+    # While lost: the state it had (ready, cordoned, draining), which it gets back on its return.
+    state_before_lost = models.CharField(max_length=16, blank=True)
     # The runtimes it runs and what their sandboxes can have, as its heartbeat says:
     # {"<runtime>": {"network": true, "checkpoint": true, "kvm": false, "gpu": false}}.
     launchers = models.JSONField(default=dict)
@@ -96,6 +104,8 @@ class Node(models.Model):
     memory_mb_capacity = models.IntegerField(default=1024)
     version = models.CharField(max_length=32, blank=True)
     tunnel_address = models.CharField(max_length=200, blank=True)  # host:port of its tunnels
+    # The operator's labels ({"zone": "a", "gpu": "h100"}), matched by a sandbox's node_selector.
+    labels = models.JSONField(default=dict, blank=True)
     # Free space where its sandboxes' disks are (they are thin), as of its last heartbeat.
     disk_free_mb = models.IntegerField(null=True, blank=True)
     heartbeat_at = models.DateTimeField(null=True, blank=True)
@@ -116,6 +126,28 @@ class Node(models.Model):
 
     def __str__(self) -> str:
         return self.name
+
+
+class NodeJoinToken(models.Model):
+    """What lets a new machine join as a node (``hangar node join``): issued by staff, stored
+    as a hash, good for ``uses`` joins until ``expires_at`` unless revoked."""
+
+    prefix = models.CharField(max_length=12)
+    token_hash = models.CharField(max_length=64, unique=True)
+    created_by = models.ForeignKey(settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL)
+    created_at = models.DateTimeField(auto_now_add=True)
+    expires_at = models.DateTimeField(null=True, blank=True)
+    revoked_at = models.DateTimeField(null=True, blank=True)
+    uses = models.IntegerField(default=1)  # how many joins it allows
+    used = models.IntegerField(default=0)
+    last_used_at = models.DateTimeField(null=True, blank=True)
+    nodes = models.JSONField(default=list, blank=True)  # the names that joined with it
+
+    class Meta:
+        ordering = ["-created_at"]
+
+    def __str__(self) -> str:
+        return self.prefix
 
 
 class Image(models.Model):
@@ -249,6 +281,8 @@ class Sandbox(models.Model):
     image_digest = models.CharField(max_length=80)
     runtime = models.CharField(max_length=32, default=default_runtime)
     node = models.ForeignKey(Node, null=True, blank=True, on_delete=models.SET_NULL, related_name="sandboxes")
+    # Labels its node must carry, every one of them ({"zone": "a"}); empty: any node.
+    node_selector = models.JSONField(default=dict, blank=True)
     status = models.CharField(max_length=16, choices=Status.choices, default=Status.PENDING, db_index=True)
     status_reason = models.TextField(blank=True)
     cpu = models.FloatField(default=1.0)

@@ -7,6 +7,7 @@ from collections.abc import Callable
 from typing import Any
 
 from celery import Task, shared_task
+from django.conf import settings
 
 from .host.volumes import VolumeError
 from .models import Node
@@ -96,11 +97,11 @@ def node_heartbeat() -> None:
         disk_free_mb=node_services.local_disk_free_mb(),
         launchers=local_capabilities(),
     )
-    io_svc.sandboxes_stats_collect(node_name=local_node_name())
 
 
 @shared_task
 def node_reconcile() -> dict[str, list[str]]:
+    io_svc.sandboxes_stats_collect(node_name=local_node_name())  # as often as before (nodes_tick)
     report = node_svc.node_reconcile(node_name=local_node_name())
     if report["failed"] or report["destroyed"]:
         log.info("reconciled node %s: %s", local_node_name(), report)
@@ -115,14 +116,21 @@ def node_recover() -> dict[str, list[str]]:
 
 @shared_task
 def nodes_tick() -> None:
-    """Beat: ask every node's own worker to heartbeat and reconcile; mark silent nodes offline."""
-    node_services.nodes_mark_offline()
-    for name in Node.objects.exclude(status=Node.Status.OFFLINE).values_list("name", flat=True):
-        node_heartbeat.apply_async(queue=node_queue(name), expires=30)
+    """Beat: ask every answering node's own worker to reconcile (a lost node reconciles once
+    it answers a heartbeat again)."""
+    live = Node.objects.exclude(state__in=[Node.State.LOST, Node.State.REMOVED])
+    for name in live.values_list("name", flat=True):
         node_reconcile.apply_async(queue=node_queue(name), expires=30)
-    # Offline nodes still get a heartbeat request: one that comes back answers it.
-    for name in Node.objects.filter(status=Node.Status.OFFLINE).values_list("name", flat=True):
-        node_heartbeat.apply_async(queue=node_queue(name), expires=30)
+
+
+@shared_task
+def nodes_heartbeat() -> None:
+    """Beat (every HANGAR_NODE_HEARTBEAT_S): mark silent nodes lost, and ask every node's own
+    worker to heartbeat (a lost one too: one that comes back answers it)."""
+    node_services.nodes_mark_lost()
+    expires = max(5.0, settings.HANGAR_NODE_HEARTBEAT_S * 2)
+    for name in Node.objects.exclude(state=Node.State.REMOVED).values_list("name", flat=True):
+        node_heartbeat.apply_async(queue=node_queue(name), expires=expires)
 
 
 @shared_task

@@ -106,6 +106,7 @@ from .harnesses import keys_router as ssh_keys_router  # noqa: E402
 from .harnesses import router as harnesses_router  # noqa: E402
 from .harnesses import runs_router  # noqa: E402
 from .images import router as images_router  # noqa: E402
+from .nodes import router as nodes_router  # noqa: E402
 from .pools import router as pools_router  # noqa: E402
 from .processes import router as processes_router  # noqa: E402
 from .sandboxes import router as sandboxes_router  # noqa: E402
@@ -131,5 +132,6 @@ api.add_router("/harnesses", harnesses_router)
 api.add_router("/runs", runs_router)
 api.add_router("/ssh-keys", ssh_keys_router)
 api.add_router("/traces", traces_router)
+api.add_router("/nodes", nodes_router)
 api.add_router("", system_router)
 document_errors(api)

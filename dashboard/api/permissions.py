@@ -132,6 +132,17 @@ RULES: dict[tuple[str, str], Rule] = {
     ("GET", "/ssh-keys"): _read("ssh_keys"),
     ("POST", "/ssh-keys"): _write("ssh_keys", "viewer"),
     ("DELETE", "/ssh-keys/{key_id}"): _write("ssh_keys", "viewer"),
+    # Nodes: anyone sees their names and states (the list shows staff the rest); staff run them.
+    ("GET", "/nodes"): _read("system"),
+    ("POST", "/nodes/{name}/cordon"): Rule("system:write", "viewer", staff=True),
+    ("POST", "/nodes/{name}/uncordon"): Rule("system:write", "viewer", staff=True),
+    ("POST", "/nodes/{name}/drain"): Rule("system:write", "viewer", staff=True),
+    ("DELETE", "/nodes/{name}"): Rule("system:write", "viewer", staff=True),
+    ("GET", "/nodes/tokens"): Rule("system:read", "viewer", staff=True),
+    ("POST", "/nodes/tokens"): Rule("system:write", "viewer", staff=True),
+    ("DELETE", "/nodes/tokens/{token_id}"): Rule("system:write", "viewer", staff=True),
+    # A joining node has a join token, not an API token (the service checks it: 401 if bad).
+    ("POST", "/nodes/join"): Rule("system:write", public=True),
     ("GET", "/site/quotas"): Rule("system:read", "viewer", staff=True),
     ("PUT", "/site/quotas"): Rule("system:write", "viewer", staff=True),
     ("GET", "/site/rates"): Rule("system:read", "viewer", staff=True),

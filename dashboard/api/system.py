@@ -12,7 +12,7 @@ router = Router(tags=["system"])
 
 class NodeOut(Schema):
     name: str
-    status: str
+    state: str = Field(description="ready | cordoned | draining | removed | lost")
     runtimes: list[str]
     launchers: dict[str, dict[str, bool | int | None]] = Field(
         description="each runtime it runs, with what its sandboxes can have (network, checkpoint, kvm, gpu) "
@@ -44,7 +44,7 @@ def health(request: HttpRequest):
         nodes = [
             NodeOut(
                 name=n.name,
-                status=n.status,
+                state=n.state,
                 runtimes=n.runtimes,
                 launchers=n.launchers or {},
                 cpu_capacity=n.cpu_capacity,

@@ -21,7 +21,7 @@ from .. import enqueue, events, notify
 from ..errors import Conflict, InvalidValue, NotFound
 from ..host.network import validate_policy
 from ..lifecycle import record_event, transition
-from ..models import AuditEvent, Pool, Sandbox, Team, TeamPolicy
+from ..models import AuditEvent, Node, Pool, Sandbox, Team, TeamPolicy
 from ..notify import wait_for_status
 from . import audit, quotas, spans
 from . import secrets as secret_svc
@@ -452,7 +452,9 @@ def sandbox_delete(*, sandbox: Sandbox, reason: str = "deleted") -> None:
             return
     else:
         audit.record("sandbox.delete", team=sandbox.team, target=sandbox.id, reason=reason)
-    if sandbox.node_id is None:
+    if sandbox.node_id is None or Node.objects.filter(id=sandbox.node_id, state=Node.State.LOST).exists():
+        # On a lost node: the row is released now; the node, once back, destroys what is left
+        # of it (its reconciliation: a runtime that no live row wants).
         transition(sandbox.id, to=S.DELETED, frm=[S.STOPPING], fields={"stopped_at": timezone.now()})
         return
     queue = sandbox.node.queue  # type: ignore[union-attr]

@@ -68,7 +68,7 @@ def _owner(n: int) -> str:
 
 
 def _heartbeat(node_name: str, done: threading.Event) -> None:
-    """The test stack runs no beat: without this the node counts as offline after a minute."""
+    """The test stack runs no beat: without this the node counts as lost after 30 s."""
     from django.db import connection
 
     from runtime.services.nodes import node_heartbeat

@@ -19,7 +19,7 @@ from runtime.node.local import launcher_for
 from runtime.services import sandbox_calls as calls_svc
 from runtime.services import sandbox_io as io_svc
 from runtime.services import sandboxes as svc
-from runtime.services.nodes import node_pick, node_register, nodes_mark_offline
+from runtime.services.nodes import node_pick, node_register, nodes_mark_lost
 from runtime.services.sandbox_access import RemoteAccess, sandbox_access
 from tests.support import GVISOR, requires_runsc, wait_until
 
@@ -132,7 +132,7 @@ def test_scheduler_skips_nodes_without_the_image_or_heartbeat(transactional_db):
     image = _image(holder)
     assert node_pick(runtime="gvisor", cpu=1, memory_mb=256, image=image) == holder
     Node.objects.filter(name="holder").update(heartbeat_at=timezone.now() - timedelta(minutes=10))
-    assert nodes_mark_offline() == ["holder"]
+    assert nodes_mark_lost() == ["holder"]
     with pytest.raises(NoCapacity, match="not on any online node"):
         node_pick(runtime="gvisor", cpu=1, memory_mb=256, image=image)
 

@@ -47,12 +47,12 @@ def test_second_node_joins_and_runs_sandboxes(service_env, celery_worker, local_
         assert "logs in" in log_path.read_text()  # its console says where they are
         node_b = Node.objects.get(name="node-b")
         # It advertises the runtimes it runs, with what their sandboxes can have (as this node does).
-        assert node_b.status == Node.Status.ONLINE and node_b.launchers == local_node.launchers
+        assert node_b.state == Node.State.READY and node_b.launchers == local_node.launchers
         assert node_b.launchers["gvisor"]["network"] and node_b.launchers["gvisor"]["checkpoint"]
         assert node_b.images.filter(name="busybox").exists()  # it registered the images it holds
 
         # Only node-b takes new sandboxes now.
-        Node.objects.filter(name=local_node.name).update(status=Node.Status.DRAINING)
+        Node.objects.filter(name=local_node.name).update(state=Node.State.DRAINING)
         team = Team.objects.create(name="multi")
         sandbox = svc.sandbox_create(
             team=team, user=None, request=svc.SandboxRequest(image="busybox", memory_mb=256)
