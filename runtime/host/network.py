@@ -12,9 +12,15 @@ id, see hostnames.py, so several nodes on one machine never touch each other's):
                                      oifname "h<id>*": established only (nothing connects in)
     chain input     (hook input)    iifname "h<id>*": established only (the host and its
                                      services, Postgres, Redis, the control plane: never)
-    chain sb_<id>                    IPv6 drop; always-denied drop;
+    chain sb_<id>  (vm_<id>)         IPv6 drop; a source other than its address: drop;
+                                     always-denied drop;
                                      then the policy (none: drop; all: accept; allowlist:
                                      the listed addresses and address:port pairs), then drop
+
+A microVM (``Network(kind="vm")``, ``setup(tap=True)``) has the same host side; in its
+namespace the veth's end and a tap device are bridged and the guest's kernel holds the address
+(QEMU runs in the namespace). Its namespaces and chains are named ``hangarvm-<node id>-<id>``
+and ``vm_<id>``, so the gVisor launcher's reconciliation never takes them for its own leftovers.
 
 Always denied, whatever the policy: other sandboxes (the pool), link-local and metadata
 addresses (169.254.0.0/16), loopback, private and shared ranges (the node's management
@@ -62,6 +68,7 @@ EGRESS = ("none", "allowlist", "all")
 RECORDS = (".json", ".policy", ".names")  # what leases/ keeps of a sandbox: its lease, policy, pinned names
 ACCESS_SET = "hangar_access"  # (host-side veth . port) pairs let in to the node's gateway port
 HANGAR_HOST = "hangar.internal"  # the name a sandbox allowed to reach Hangar uses
+TAP = "tap0"  # a virtual machine's interface in its namespace (Network.setup with tap)
 ALWAYS_DENIED = (
     "0.0.0.0/8", "10.0.0.0/8", "100.64.0.0/10", "127.0.0.0/8", "169.254.0.0/16", "172.16.0.0/12",
     "192.0.0.0/24", "192.168.0.0/16", "224.0.0.0/4", "240.0.0.0/4",
@@ -204,10 +211,17 @@ class Network:
         resolve: Callable[[str], list[str]] | None = None,
         gateway_port: int = 0,
         claims_dir: Path | None = None,
+        kind: str = "",
     ) -> None:
         self.state_dir = Path(state_dir)
         self.dir = self.state_dir / "network"
         self.names = names
+        # A second launcher's networks on the same node (``kind``: "vm" for the microVM's) share
+        # its table and interface prefix (so the node-wide rules hold them too) but not its
+        # namespace and chain names: each launcher's reconciliation finds only its own.
+        self.kind = kind
+        self.netns_prefix = f"hangar{kind}-{names.node_id}-" if kind else names.netns_prefix
+        self.chain_prefix = f"{kind}_" if kind else "sb_"
         self.gateway_port = gateway_port  # where hangar.internal answers on the host side (0: nowhere)
         self.configured_pool = pool  # empty: chosen on first use (hostnames.address_pool)
         if pool and ipaddress.IPv4Network(pool).prefixlen > 28:
@@ -335,22 +349,31 @@ add chain ip {t}_nat postrouting {{ type nat hook postrouting priority 100; }}
     def _link_names(self, sandbox_id: str) -> tuple[str, str]:
         """The sandbox's namespace and host-side interface (15 characters, the kernel's most)."""
         digest = hashlib.sha1(sandbox_id.encode()).hexdigest()[: 15 - len(self.names.iface_prefix)]
-        return f"{self.names.netns_prefix}{sandbox_id}", f"{self.names.iface_prefix}{digest}"
+        return f"{self.netns_prefix}{sandbox_id}", f"{self.names.iface_prefix}{digest}"
+
+    def chain_of(self, sandbox_id: str) -> str:
+        """The nftables chain that holds the sandbox's policy."""
+        return f"{self.chain_prefix}{sandbox_id}"
 
     # -- one sandbox ------------------------------------------------------------------------
 
-    def setup(self, sandbox_id: str, policy: Policy) -> tuple[Lease, dict[str, list[str]]]:
+    def setup(self, sandbox_id: str, policy: Policy, tap: bool = False) -> tuple[Lease, dict[str, list[str]]]:
         """The sandbox's namespace, veth and addresses, fresh (runsc takes the addresses over
         each time it starts), and its policy; returns the lease and the pinned names (which the
         launcher writes into the sandbox through its agent, never from the host: a host-side
-        write into the sandbox's root would follow a symlinked /etc out of it)."""
+        write into the sandbox's root would follow a symlinked /etc out of it).
+
+        With ``tap`` (a virtual machine's network), the namespace's end of the veth holds no
+        address: it and a tap device (:data:`TAP`, which QEMU started in the namespace opens)
+        are the two ports of a bridge, and the guest's kernel holds the sandbox's address. The
+        host's side, its rules included, is the same either way."""
         self.ensure_base()
         lease = self._lease(sandbox_id)
         self._delete_links(lease)
         if lease.table != self.names.table:
             # Leased before names carried the node's id (a checkpoint from then): the same
             # addresses, which the saved network stack holds, under this node's own names.
-            self._unhook(lease, f"sb_{sandbox_id}")
+            self._unhook(lease, self.chain_of(sandbox_id))
             netns, veth = self._link_names(sandbox_id)
             lease = dataclasses.replace(lease, netns=netns, veth=veth, table=self.names.table)
             self._write_lease(sandbox_id, lease)
@@ -363,12 +386,21 @@ add chain ip {t}_nat postrouting {{ type nat hook postrouting priority 100; }}
                 f"addr add {lease.host_ip}/{lease.prefix} dev {lease.veth}\n"
                 f"link set {lease.veth} up\n"
             )
-            ns_side = (
-                f"addr add {lease.sandbox_ip}/{lease.prefix} dev eth0\n"
-                "link set eth0 up\n"
-                "link set lo up\n"
-                f"route add default via {lease.host_ip}\n"
-            )
+            if tap:
+                ns_side = (
+                    "link add br0 type bridge\n"
+                    f"tuntap add dev {TAP} mode tap\n"
+                    "link set eth0 master br0\n"
+                    f"link set {TAP} master br0\n"
+                    f"link set eth0 up\nlink set {TAP} up\nlink set br0 up\nlink set lo up\n"
+                )
+            else:
+                ns_side = (
+                    f"addr add {lease.sandbox_ip}/{lease.prefix} dev eth0\n"
+                    "link set eth0 up\n"
+                    "link set lo up\n"
+                    f"route add default via {lease.host_ip}\n"
+                )
             _run(["ip", "-batch", "-"], stdin=host_side)
             _run(["ip", "-n", lease.netns, "-batch", "-"], stdin=ns_side)
             names = self.apply(sandbox_id, policy)
@@ -395,7 +427,7 @@ add chain ip {t}_nat postrouting {{ type nat hook postrouting priority 100; }}
         lease = self.lease_of(sandbox_id)
         if lease is None:
             raise NetworkError(f"sandbox {sandbox_id} has no network")
-        chain, t = f"sb_{sandbox_id}", lease.table
+        chain, t = self.chain_of(sandbox_id), lease.table
         pairs, names = self._resolved(policy) if policy.egress == "allowlist" else ([], {})
         # Only packets leaving the sandbox reach this chain, and every one is judged: no
         # "established" shortcut, so a connection opened under a looser policy stops at once.
@@ -403,6 +435,8 @@ add chain ip {t}_nat postrouting {{ type nat hook postrouting priority 100; }}
             f"add chain inet {t} {chain}",
             f"flush chain inet {t} {chain}",
             f"add rule inet {t} {chain} meta nfproto ipv6 drop",
+            # Its own address only: a guest kernel (a microVM's) can send any source address.
+            f"add rule inet {t} {chain} ip saddr != {lease.sandbox_ip} drop",
         ]
         if policy.egress == "all" and self.nameservers:  # its resolvers, wherever they are
             servers = ", ".join(self.nameservers)
@@ -462,7 +496,7 @@ add chain ip {t}_nat postrouting {{ type nat hook postrouting priority 100; }}
         """Remove the namespace, the veth and the sandbox's rules; ``release``: its addresses
         and every record of it too."""
         lease = self.lease_of(sandbox_id)
-        chain = f"sb_{sandbox_id}"
+        chain = self.chain_of(sandbox_id)
         if lease is not None:
             self._delete_links(lease)
             self._unhook(lease, chain)
@@ -520,7 +554,7 @@ add chain ip {t}_nat postrouting {{ type nat hook postrouting priority 100; }}
                 if p.name.endswith(suffix):
                     found.add(p.name[: -len(suffix)])
         proc = _run(["ip", "netns", "list"], check=False)
-        prefix = self.names.netns_prefix
+        prefix = self.netns_prefix
         for line in proc.stdout.splitlines():
             name = line.split()[0] if line.split() else ""
             if name.startswith(prefix):
@@ -528,8 +562,8 @@ add chain ip {t}_nat postrouting {{ type nat hook postrouting priority 100; }}
         proc = _run(["nft", "list", "table", "inet", self.names.table], check=False)
         for line in proc.stdout.splitlines():
             line = line.strip()
-            if line.startswith("chain sb_"):
-                found.add(line.split()[1][3:])
+            if line.startswith(f"chain {self.chain_prefix}"):
+                found.add(line.split()[1][len(self.chain_prefix) :])
         return sorted(found - live)
 
     def cleanup(self, sandbox_id: str) -> None:
@@ -539,7 +573,7 @@ add chain ip {t}_nat postrouting {{ type nat hook postrouting priority 100; }}
             netns, veth = self._link_names(sandbox_id)
             lease = Lease(0, netns, veth, "", "", table=self.names.table)
             self._delete_links(lease)
-            self._unhook(lease, f"sb_{sandbox_id}")
+            self._unhook(lease, self.chain_of(sandbox_id))
         self.teardown(sandbox_id)
 
 

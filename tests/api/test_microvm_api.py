@@ -14,7 +14,15 @@ from runtime.launchers.microvm import boot
 from runtime.models import Node
 from runtime.node.local import launcher_for
 from tests.api.test_sandboxes_api import create
-from tests.support import requires_runsc, wait_until
+from tests.support import WORLD_A, WORLD_B, requires_runsc, wait_until
+
+
+def fetch(api, sid: str, url: str) -> str | None:
+    out = api.post(
+        f"/sandboxes/{sid}/exec", json={"cmd": f"timeout 2 wget -q -O- {url}", "timeout_s": 20}
+    ).json()
+    return out["stdout"] if out["exit_code"] == 0 else None
+
 
 pytestmark = [
     requires_runsc,
@@ -25,7 +33,7 @@ pytestmark = [
 
 def test_a_microvm_sandbox_runs_commands_and_files_and_is_deleted_whole(api):
     node = Node.objects.get(name=settings.HANGAR_NODE_NAME)
-    assert node.launchers["microvm"]["network"] is False and "kvm" in node.launchers["microvm"]
+    assert node.launchers["microvm"]["network"] is True and "kvm" in node.launchers["microvm"]
 
     sb = create(api, runtime="microvm", env={"FOO": "bar"}, cpu=2, memory_mb=256)
     assert sb["status"] == "running" and sb["runtime"] == "microvm", sb
@@ -65,11 +73,44 @@ def test_a_microvm_sandbox_runs_commands_and_files_and_is_deleted_whole(api):
     assert sid not in launcher_for("microvm").states()
 
 
-def test_a_microvm_sandbox_asking_for_a_network_is_a_clear_422(api):
-    r = api.post("/sandboxes", json={"image": "busybox", "runtime": "microvm", "network": {"egress": "all"}})
-    assert r.status_code == 422 and "the microvm runtime gives sandboxes no network" in r.json()["detail"], (
-        r.text
+def test_a_microvm_sandbox_has_the_egress_it_asks_for_changed_live_and_leaves_no_network(api, world):
+    """The node's nftables policy, as with gVisor: an allowlist, then all, then none, against the
+    tests' own namespace of servers (nothing else is contacted)."""
+    sb = create(
+        api, runtime="microvm", memory_mb=256, network={"egress": "allowlist", "allow": [f"{WORLD_A}:8080"]}
     )
+    sid = sb["id"]
+    assert sb["status"] == "running" and sb["network"]["egress"] == "allowlist", sb
+    assert fetch(api, sid, f"http://{WORLD_A}:8080/") == "server-a\n"
+    assert fetch(api, sid, f"http://{WORLD_B}:8080/") is None
+    r = api.put(f"/sandboxes/{sid}/network", json={"egress": "all"})
+    assert r.status_code == 200, r.text
+    assert fetch(api, sid, f"http://{WORLD_B}:8080/") == "server-b\n"
+    assert api.put(f"/sandboxes/{sid}/network", json={"egress": "none"}).status_code == 200
+    assert fetch(api, sid, f"http://{WORLD_A}:8080/") is None
+    network = launcher_for("microvm").network  # type: ignore[attr-defined]
+    lease = network.lease_of(sid)
+    assert lease is not None and os.path.exists(lease.netns_path)
+    assert api.delete(f"/sandboxes/{sid}").status_code == 204
+    wait_until(lambda: api.get(f"/sandboxes/{sid}").json()["status"] == "deleted", 60, what="deleted")
+    assert network.lease_of(sid) is None and not os.path.exists(lease.netns_path)  # its tap went with it
+
+
+def test_a_preview_reaches_a_server_in_a_microvm_sandbox(api, server):
+    """A preview URL takes the agent's tunnel to the sandbox's own loopback: no network needed."""
+    from tests.api.test_previews_api import background, preview, put
+
+    sid = create(api, runtime="microvm", memory_mb=256, ports=[{"port": 8000, "public": True}])["id"]
+    try:
+        put(api, sid, "/www/index.html", "<h1>hello from the microVM</h1>\n")
+        background(api, sid, "httpd -f -p 127.0.0.1:8000 -h /www")
+        wait_until(lambda: api.post(f"/sandboxes/{sid}/exec", json={"cmd": "wget -q -O- http://127.0.0.1:8000/"})
+                   .json()["exit_code"] == 0, 30, what="httpd")  # fmt: skip
+        with preview(server, sid, 8000) as c:
+            r = c.get("/")
+            assert r.status_code == 200 and r.text == "<h1>hello from the microVM</h1>\n", r.text
+    finally:
+        api.delete(f"/sandboxes/{sid}")
 
 
 def test_a_terminal_in_a_microvm_sandbox_over_the_websocket(api, team_token):

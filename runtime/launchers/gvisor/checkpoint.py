@@ -21,7 +21,7 @@ import threading
 import time
 import uuid
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from ...host.locks import file_lock
 from ...host.network import Lease
@@ -55,7 +55,7 @@ class CheckpointMixin(_Launcher):
         def _dir(self, sandbox_id: str) -> Path: ...
         def _socket(self, handle: Handle) -> str: ...
         def _new_handle(self, spec: SandboxSpec) -> Handle: ...
-        def _policy(self, spec: SandboxSpec) -> Policy: ...
+        def _policy(self, spec_network: dict[str, Any] | None) -> Policy: ...
         def _agent_answers(self, handle: Handle) -> bool: ...
         def _console_tail(self, d: Path) -> str: ...
         def _write_resolution(self, sandbox_id: str, policy: Policy, names: dict[str, list[str]]) -> None: ...
@@ -142,7 +142,7 @@ class CheckpointMixin(_Launcher):
                         # It was saved with a network: gVisor's stack comes back configured with
                         # the addresses it had, so its namespace is made again with the same
                         # ones (the lease was kept), under the policy in force now.
-                        policy = self._policy(spec)
+                        policy = self._policy(spec.network)
                         lease, names = self.network.setup(spec.id, policy)
                     released = time.monotonic()
                     self.runsc.start(d / "log" / "console.log", "restore", "--detach", "--bundle", str(d / "bundle"),

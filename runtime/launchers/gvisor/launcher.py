@@ -17,9 +17,10 @@ from typing import Any
 from ...host import disks, hostnames
 from ...host.hostnames import HostNames
 from ...host.locks import file_lock
-from ...host.network import Lease, Network, Policy, validate_policy
+from ...host.network import Lease, Network
 from ..agent.client import AgentClient
 from ..agent.launcher import AgentBackedLauncher
+from ..agent.networked import NetworkedMixin
 from ..agent.protocol import MAX_PAYLOAD, AgentError
 from ..agent.transport import UnixTransport
 from ..base import (
@@ -37,7 +38,7 @@ from .checkpoint import CheckpointMixin, unlink_socket
 from .runsc import DEFAULT_PLATFORM, Runsc, default_runsc
 
 
-class GVisorLauncher(CheckpointMixin, AgentBackedLauncher):
+class GVisorLauncher(CheckpointMixin, NetworkedMixin, AgentBackedLauncher):
     name = "gvisor"
     CAPABILITIES = Capabilities(network=True, checkpoint=True)
 
@@ -78,8 +79,11 @@ class GVisorLauncher(CheckpointMixin, AgentBackedLauncher):
         # A command reaches the sandbox's agent as one frame.
         return replace(self.CAPABILITIES, kvm=self.runsc.platform == "kvm", max_command_bytes=MAX_PAYLOAD)
 
-    def address_pool(self) -> str | None:
-        return str(self.network.pool) if self.capabilities().network else None
+    def _network_available(self) -> bool:
+        return self.capabilities().network
+
+    def _may_be_running(self, sandbox_id: str) -> bool:
+        return self.runsc.status(sandbox_id) in ("running", "unknown")
 
     # -- plumbing -------------------------------------------------------------------------
 
@@ -118,21 +122,13 @@ class GVisorLauncher(CheckpointMixin, AgentBackedLauncher):
             "cpu": spec.cpu,
         }
 
-    def _policy(self, spec: SandboxSpec) -> Policy:
-        policy = validate_policy(spec.network)
-        # A network of its own when its policy lets anything out, or when it is asked for
-        # with egress none (a warm pool's member, whose claim sets the policy).
-        if (policy.enabled or spec.network) and not self.capabilities().network:
-            raise LauncherError(f"the {self.name} runtime gives sandboxes no network")
-        return policy
-
     # -- lifecycle ------------------------------------------------------------------------
 
     def create(self, spec: SandboxSpec) -> Handle:
         d = self._dir(spec.id)
         if not (spec.rootfs / "bin").exists() and not (spec.rootfs / "usr").exists():
             raise LauncherError(f"image root filesystem {spec.rootfs} is missing or empty")
-        policy = self._policy(spec)
+        policy = self._policy(spec.network)
         with file_lock(self.sandboxes_dir / f".{spec.id}.lock"):
             handle = self._new_handle(spec)
             if (d / "handle.json").exists() and self._agent_answers(handle):
@@ -239,57 +235,6 @@ class GVisorLauncher(CheckpointMixin, AgentBackedLauncher):
         for disk in ("disk", ".disk.making"):  # mounted: rmtree would empty it, then fail
             disks.remove(self._dir(sandbox_id) / disk)
         shutil.rmtree(self._dir(sandbox_id), ignore_errors=True)
-
-    # -- networks -------------------------------------------------------------------------
-
-    def set_network(self, handle: Handle, policy: dict[str, Any]) -> None:
-        sandbox_id = handle["id"]
-        parsed = validate_policy(policy)
-        with file_lock(self.sandboxes_dir / f".{sandbox_id}.lock"):
-            if self.network.lease_of(sandbox_id) is None:
-                if parsed.enabled and not self.capabilities().network:
-                    raise LauncherError(f"the {self.name} runtime gives sandboxes no network")
-                if parsed.enabled:
-                    raise LauncherError(
-                        "this sandbox was started without a network: its egress can change only from "
-                        "its next start (pause and resume it), or create it with a network"
-                    )
-                return
-            names = self.network.apply(sandbox_id, parsed)
-            self._write_resolution(sandbox_id, parsed, names)
-
-    def _write_resolution(self, sandbox_id: str, policy: Policy, names: dict[str, list[str]]) -> None:
-        # Through the agent, inside the sandbox: a write from the host into its root would
-        # follow a symlinked /etc out of it, and gVisor caches the root filesystem anyway.
-        client = self.agent(self.handle_for(sandbox_id))
-        lease = self.network.lease_of(sandbox_id)
-        gateway = lease.host_ip if lease is not None else None
-        for path, text in self.network.resolution_files(policy, names, gateway).items():
-            with contextlib.suppress(AgentError):
-                client.write_file(path, text.encode())
-
-    def network_reconcile(self, live: dict[str, dict[str, Any]]) -> list[str]:
-        if not self.network.dir.exists():
-            return []  # no sandbox of this node ever had a network
-        cleaned = []
-        for sandbox_id in self.network.leftovers(set(live)):
-            with file_lock(self.sandboxes_dir / f".{sandbox_id}.lock"):
-                if self.runsc.status(sandbox_id) in ("running", "unknown"):
-                    continue  # not in the snapshot of live ones, but running (or maybe): leave it
-                self.network.cleanup(sandbox_id)
-                cleaned.append(sandbox_id)
-        for sandbox_id in live:
-            lease = self.network.lease_of(sandbox_id)
-            if lease is None or not os.path.exists(lease.netns_path):
-                continue  # no network, or paused: its rules are made again when it starts
-            # Under the sandbox's lock, with the policy in force on the node (not the database's
-            # snapshot): a change applied meanwhile is never undone here.
-            with file_lock(self.sandboxes_dir / f".{sandbox_id}.lock"), contextlib.suppress(LauncherError):
-                names = self.network.refresh(sandbox_id)
-                policy = self.network.applied(sandbox_id)
-                if names is not None and policy is not None:
-                    self._write_resolution(sandbox_id, policy, names)
-        return cleaned
 
     # -- inspection -----------------------------------------------------------------------
 

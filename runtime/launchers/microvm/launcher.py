@@ -4,6 +4,7 @@ docstring for what it keeps where)."""
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import logging
 import math
@@ -18,8 +19,10 @@ from typing import Any
 
 from ...host import hostnames
 from ...host.locks import file_lock
+from ...host.network import TAP, Lease, Network
 from ..agent.client import AgentClient
 from ..agent.launcher import AgentBackedLauncher
+from ..agent.networked import NetworkedMixin
 from ..agent.protocol import MAX_PAYLOAD, AgentError
 from ..agent.transport import UnixTransport
 from ..base import (
@@ -75,6 +78,12 @@ def _reap(pid: int, timeout: float = 0.0) -> None:
         time.sleep(0.01)
 
 
+def _mac(sandbox_id: str) -> str:
+    """The guest's MAC address: locally administered, unicast, from the sandbox's id."""
+    digest = hashlib.sha1(sandbox_id.encode()).digest()
+    return "02:" + ":".join(f"{b:02x}" for b in digest[:5])
+
+
 def _kill(pid: int, marker: str, timeout: float = 5.0) -> None:
     if not _pid_alive(pid, marker):
         _reap(pid, 1.0)  # our child, exiting on its own (its cmdline empties first): collected
@@ -88,7 +97,7 @@ def _kill(pid: int, marker: str, timeout: float = 5.0) -> None:
     _reap(pid, max(0.0, deadline - time.monotonic()))
 
 
-class MicroVMLauncher(AgentBackedLauncher):
+class MicroVMLauncher(NetworkedMixin, AgentBackedLauncher):
     name = "microvm"
 
     def __init__(
@@ -117,8 +126,14 @@ class MicroVMLauncher(AgentBackedLauncher):
         self.sandboxes_dir = self.state_dir / "sandboxes"
         self.boot_dir = self.state_dir / "boot"
         # Host-global names carry the node's id (the node's own, else one kept in this state dir).
-        self.cgroup_parent = hostnames.HostNames(node_id or hostnames.node_id(self.state_dir)).cgroup_parent
+        self.names = hostnames.HostNames(node_id or hostnames.node_id(self.state_dir))
+        self.cgroup_parent = self.names.cgroup_parent
+        # The gVisor launcher's host side (namespace, veth, rules), with names of its own: see
+        # runtime/host/network.py. Its pool is its own too (this launcher's state dir claims it).
+        self.network = Network(self.state_dir, self.names, pool=network_pool, exceptions=network_exceptions,
+                               nameservers=network_nameservers, gateway_port=gateway_port, kind="vm")  # fmt: skip
         self._accel: str | None = None
+        self._network_ok: bool | None = None
 
     @classmethod
     def probe(cls, config: Mapping[str, Any]) -> str | None:
@@ -136,8 +151,27 @@ class MicroVMLauncher(AgentBackedLauncher):
         return self._accel
 
     def capabilities(self) -> Capabilities:
-        return Capabilities(network=False, checkpoint=False, kvm=self.accel() == "kvm",
+        return Capabilities(network=self._network_available(), checkpoint=False, kvm=self.accel() == "kvm",
                             max_command_bytes=MAX_PAYLOAD, vm=True)  # fmt: skip
+
+    def _network_available(self) -> bool:
+        """nftables, ``ip`` and a tun device on the node, and an address pool of its own (asked
+        once: a pool another node holds leaves this launcher's sandboxes without networks)."""
+        if self._network_ok is None:
+            reason = next((f"{tool} is not installed" for tool in ("nft", "ip", "nsenter") if not shutil.which(tool)),
+                          None if os.path.exists("/dev/net/tun") else "the node has no /dev/net/tun")  # fmt: skip
+            if reason is None:
+                try:
+                    self.network.pool  # noqa: B018  (chosen and claimed here)
+                except LauncherError as exc:
+                    reason = str(exc)
+            if reason:
+                log.warning("microVM sandboxes get no network on this node: %s", reason)
+            self._network_ok = reason is None
+        return self._network_ok
+
+    def _may_be_running(self, sandbox_id: str) -> bool:
+        return self._running(self.handle_for(sandbox_id))
 
     # -- plumbing -------------------------------------------------------------------------
 
@@ -165,8 +199,7 @@ class MicroVMLauncher(AgentBackedLauncher):
         d = self._dir(spec.id)
         if not (spec.rootfs / "bin").exists() and not (spec.rootfs / "usr").exists():
             raise LauncherError(f"image root filesystem {spec.rootfs} is missing or empty")
-        if spec.network:
-            raise LauncherError(f"the {self.name} runtime gives sandboxes no network (yet)")
+        policy = self._policy(spec.network)
         if spec.mounts:
             raise LauncherError(f"the {self.name} runtime cannot attach volumes (yet)")
         with self._lock(spec.id):
@@ -183,22 +216,32 @@ class MicroVMLauncher(AgentBackedLauncher):
             size_mb = spec.disk_mb if spec.disk_mb else self.default_disk_mb
             if not disk.exists():  # kept from a suspend: the sandbox's files
                 boot.sandbox_disk(disk, size_mb)
-            self._write_config(d, spec)
-            accel = self.accel()
-            handle: Handle = {"id": spec.id, "runtime": self.name, "dir": str(d), "memory_mb": spec.memory_mb,
-                              "cpu": spec.cpu, "vcpus": max(1, math.ceil(spec.cpu)), "accel": accel}  # fmt: skip
-            argv = self._qemu_argv(spec, handle, kern, initrd, root, disk)
-            for attempt, limit in enumerate((FIRST_BOOT_TIMEOUT[accel], BOOT_TIMEOUT)):
-                qemu = self._start(d, handle, argv)
-                try:
-                    self._wait_up(handle, qemu, limit)
-                    break
-                except LauncherError as exc:
-                    self._stop_processes(handle)
-                    if attempt or "exited while booting" in str(exc):
-                        raise
-                    log.warning("microVM %s did not boot within %.0fs; trying once more", spec.id, limit)
+            lease: Lease | None = None
+            names: dict[str, list[str]] = {}
+            try:
+                if policy.enabled or spec.network:
+                    lease, names = self.network.setup(spec.id, policy, tap=True)
+                self._write_config(d, spec, lease)
+                accel = self.accel()
+                handle: Handle = {"id": spec.id, "runtime": self.name, "dir": str(d), "memory_mb": spec.memory_mb,
+                                  "cpu": spec.cpu, "vcpus": max(1, math.ceil(spec.cpu)), "accel": accel}  # fmt: skip
+                argv = self._qemu_argv(spec, handle, kern, initrd, root, disk, lease)
+                for attempt, limit in enumerate((FIRST_BOOT_TIMEOUT[accel], BOOT_TIMEOUT)):
+                    qemu = self._start(d, handle, argv)
+                    try:
+                        self._wait_up(handle, qemu, limit)
+                        break
+                    except LauncherError as exc:
+                        self._stop_processes(handle)
+                        if attempt or "exited while booting" in str(exc):
+                            raise
+                        log.warning("microVM %s did not boot within %.0fs; trying once more", spec.id, limit)
+            except BaseException:
+                self._release_network(spec.id)
+                raise
             self.install_ca(handle)
+            if lease is not None:
+                self._write_resolution(spec.id, policy, names)
             return handle
 
     def _start(self, d: Path, handle: Handle, argv: list[str]) -> subprocess.Popen[bytes]:
@@ -223,8 +266,10 @@ class MicroVMLauncher(AgentBackedLauncher):
         (d / "handle.json").write_text(json.dumps(handle))
         return qemu
 
-    def _write_config(self, d: Path, spec: SandboxSpec) -> None:
+    def _write_config(self, d: Path, spec: SandboxSpec, lease: Lease | None = None) -> None:
         fields = [f"hostname={spec.hostname}", f"cwd={spec.working_dir or '/'}"]
+        if lease is not None:  # the guest's eth0: its address and prefix, and its gateway
+            fields.append(f"net={lease.sandbox_ip}/{lease.prefix},{lease.host_ip}")
         env = dict(spec.env)
         ca = self.sandbox_ca
         if ca is not None:  # its bundle in the VM, read-only, and the variables naming it
@@ -239,11 +284,18 @@ class MicroVMLauncher(AgentBackedLauncher):
         os.replace(path.with_name(".config.tmp"), path)
 
     def _qemu_argv(self, spec: SandboxSpec, handle: Handle, kern: boot.Kernel, initrd: Path, root: Path,
-                   disk: Path) -> list[str]:  # fmt: skip
+                   disk: Path, lease: Lease | None = None) -> list[str]:  # fmt: skip
         accel = handle["accel"]
         append = boot.KERNEL_ARGS + ("" if accel == "kvm" else " " + boot.tcg_args())
         d = Path(handle["dir"])
-        return [
+        net: list[str] = []
+        if lease is not None:
+            # QEMU in the sandbox's namespace (nsenter execs it: the pid stays QEMU's), on the tap
+            # bridged there to the veth; no vhost (plain tap works wherever /dev/net/tun does).
+            net = ["-netdev", f"tap,id=net0,ifname={TAP},script=no,downscript=no",
+                   "-device", f"virtio-net-device,netdev=net0,mac={_mac(spec.id)}"]  # fmt: skip
+        prefix = ["nsenter", f"--net={lease.netns_path}"] if lease is not None else []
+        return prefix + [
             self.qemu, "-name", f"hangar-{spec.id}", "-M", "microvm,x-option-roms=off",
             "-accel", accel, "-cpu", "host" if accel == "kvm" else "max",
             "-m", str(spec.memory_mb), "-smp", str(handle["vcpus"]),
@@ -255,6 +307,7 @@ class MicroVMLauncher(AgentBackedLauncher):
             "-device", "virtio-serial-device",
             "-chardev", f"socket,id=agent,path={d / 'vm.sock'},server=on,wait=off",
             "-device", "virtserialport,chardev=agent,name=hangar",
+            *net,
         ]  # fmt: skip
 
     def _wait_up(self, handle: Handle, qemu: subprocess.Popen[bytes], limit: float) -> None:
@@ -293,10 +346,17 @@ class MicroVMLauncher(AgentBackedLauncher):
         for name in ("handle.json", "agent.sock", "vm.sock"):
             (d / name).unlink(missing_ok=True)
 
+    def _release_network(self, sandbox_id: str) -> None:
+        """Its namespace (the tap and bridge with it), veth, rules and addresses: a paused
+        sandbox holds none, and its next start makes them afresh."""
+        if self.network.lease_of(sandbox_id) is not None:
+            self.network.teardown(sandbox_id)
+
     def suspend(self, handle: Handle, keep_files: bool = True) -> None:
         sandbox_id = handle["id"]
         with self._lock(sandbox_id):
             self._stop_processes(self.handle_for(sandbox_id) | handle, graceful=keep_files)
+            self._release_network(sandbox_id)
             if not keep_files:
                 (self._dir(sandbox_id) / "disk.img").unlink(missing_ok=True)
 
@@ -304,14 +364,10 @@ class MicroVMLauncher(AgentBackedLauncher):
         sandbox_id = handle["id"]
         with self._lock(sandbox_id):
             self._stop_processes(self.handle_for(sandbox_id) | handle)
+            self._release_network(sandbox_id)
             shutil.rmtree(self._dir(sandbox_id), ignore_errors=True)
         with contextlib.suppress(OSError):
             (self.sandboxes_dir / f".{sandbox_id}.lock").unlink()
-
-    def set_network(self, handle: Handle, policy: dict[str, Any]) -> None:
-        if (policy or {}).get("egress", "none") != "none":
-            raise LauncherError(f"the {self.name} runtime gives sandboxes no network (yet)")
-        # egress none on a VM with no network: nothing to change
 
     # -- inspection -----------------------------------------------------------------------
 

@@ -18,7 +18,8 @@
  *   /init (PID 1 of the VM's initramfs)
  *       loads the virtio modules, mounts the sandbox's root (the image's read-only disk under
  *       an overlay whose upper layer is the sandbox's own disk), moves into it, takes the
- *       configuration from the host, starts the agent as PID 1 of a PID namespace of its own
+ *       configuration from the host (its network included: eth0's address and route),
+ *       starts the agent as PID 1 of a PID namespace of its own
  *       (the sandbox sees neither this process nor the kernel's threads), and then serves the
  *       guest's end of the port.
  *
@@ -30,7 +31,10 @@
 #include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
+#include <arpa/inet.h>
 #include <net/if.h>
+#include <net/route.h>
+#include <netinet/in.h>
 #include <poll.h>
 #include <sched.h>
 #include <signal.h>
@@ -840,6 +844,68 @@ static void loopback_up(void)
         close(s);
 }
 
+static int if_ioctl(int s, unsigned long req, struct ifreq *ifr, const char *what)
+{
+    strcpy(ifr->ifr_name, "eth0");
+    if (ioctl(s, req, ifr) < 0) {
+        logmsg("eth0: %s: %s", what, strerror(errno));
+        return -1;
+    }
+    return 0;
+}
+
+/* The sandbox's network (the config's net=ADDR/PREFIX,GATEWAY field): eth0, the virtio-net
+ * device on the tap the node bridged to the sandbox's veth, with the address the node leased
+ * and a default route through the node's end. IPv4 only, as with gVisor (the node drops IPv6). */
+static void network_up(const char *spec)
+{
+    char addr[32] = "", gw[32] = "";
+    unsigned prefix = 32;
+    if (sscanf(spec, "%31[0-9.]/%u,%31[0-9.]", addr, &prefix, gw) != 3 || prefix > 32) {
+        logmsg("bad net= field: %s", spec);
+        return;
+    }
+    if (wait_path("/sys/class/net/eth0", 5000) < 0) {
+        logmsg("no eth0 (virtio_net)");
+        return;
+    }
+    write_text("/proc/sys/net/ipv6/conf/eth0/disable_ipv6", "1");
+    int s = socket(AF_INET, SOCK_DGRAM | SOCK_CLOEXEC, 0);
+    if (s < 0)
+        return;
+    struct ifreq ifr;
+    struct sockaddr_in *sin = (struct sockaddr_in *)&ifr.ifr_addr;
+    memset(&ifr, 0, sizeof ifr);
+    sin->sin_family = AF_INET;
+    inet_pton(AF_INET, addr, &sin->sin_addr);
+    if (if_ioctl(s, SIOCSIFADDR, &ifr, "address") < 0)
+        goto out;
+    memset(&ifr, 0, sizeof ifr);
+    sin->sin_family = AF_INET;
+    sin->sin_addr.s_addr = htonl(prefix ? 0xffffffffu << (32 - prefix) : 0);
+    if (if_ioctl(s, SIOCSIFNETMASK, &ifr, "netmask") < 0)
+        goto out;
+    memset(&ifr, 0, sizeof ifr);
+    if (if_ioctl(s, SIOCGIFFLAGS, &ifr, "flags") < 0)
+        goto out;
+    ifr.ifr_flags |= IFF_UP | IFF_RUNNING;
+    if (if_ioctl(s, SIOCSIFFLAGS, &ifr, "up") < 0)
+        goto out;
+    struct rtentry rt;
+    memset(&rt, 0, sizeof rt);
+    ((struct sockaddr_in *)&rt.rt_dst)->sin_family = AF_INET;
+    ((struct sockaddr_in *)&rt.rt_genmask)->sin_family = AF_INET;
+    struct sockaddr_in *g = (struct sockaddr_in *)&rt.rt_gateway;
+    g->sin_family = AF_INET;
+    inet_pton(AF_INET, gw, &g->sin_addr);
+    rt.rt_flags = RTF_UP | RTF_GATEWAY;
+    rt.rt_dev = (char *)"eth0";
+    if (ioctl(s, SIOCADDRT, &rt) < 0)
+        logmsg("default route via %s: %s", gw, strerror(errno));
+out:
+    close(s);
+}
+
 /* Reads the host's CONFIG frame (blocking) off the port: "key=value\0" fields. */
 static char *read_config(size_t *len)
 {
@@ -939,6 +1005,8 @@ static int init_main(void)
             sethostname(f + 9, strlen(f + 9));
         else if (strncmp(f, "ca=", 3) == 0)
             install_ca_bundle(f + 3);
+        else if (strncmp(f, "net=", 4) == 0)
+            network_up(f + 4);
     }
     envp[k] = NULL;
     const char *cwd = "/";
