@@ -85,7 +85,7 @@ def runtimes_offered() -> dict[str, dict[str, bool]]:
     """The runtimes the online nodes run, each with what its sandboxes can have on at least
     one of them (for the create form)."""
     offered: dict[str, dict[str, bool]] = {}
-    for launchers in Node.objects.filter(status=Node.Status.ONLINE).values_list("launchers", flat=True):
+    for launchers in placeable().values_list("launchers", flat=True):
         for runtime, caps in (launchers or {}).items():
             mine = offered.setdefault(runtime, {})
             for key, value in caps.items():
@@ -97,7 +97,7 @@ def runtimes_offered() -> dict[str, dict[str, bool]]:
 def runtime_require(*, runtime: str, capability: str) -> None:
     """An online node runs ``runtime`` with ``capability``, or a 422 that says it cannot (a
     runtime no node runs is left to the scheduler, which says so)."""
-    online = Node.objects.filter(status=Node.Status.ONLINE).values_list("launchers", flat=True)
+    online = placeable().values_list("launchers", flat=True)
     running = [launchers[runtime] for launchers in online if runtime in (launchers or {})]
     if running and not any(caps.get(capability) for caps in running):
         raise InvalidValue(CANNOT[capability].format(runtime=runtime))

@@ -19,7 +19,6 @@ from collections import Counter
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
-from typing import Any
 
 from django.conf import settings
 from django.db import transaction
@@ -80,17 +79,22 @@ def _cutoff() -> datetime:
     return timezone.now() - timedelta(seconds=settings.HANGAR_NODE_OFFLINE_AFTER_S)
 
 
+# The node field that says whether it takes new sandboxes, and the value that does: the one line
+# that knows how a node's state is stored.
+READY_FIELD, READY = "status", Node.Status.ONLINE
+
+
 def placeable(qs: QuerySet[Node] | None = None) -> QuerySet[Node]:
     """The nodes that take new sandboxes (ready, with a recent heartbeat)."""
     qs = Node.objects.all() if qs is None else qs
-    return qs.filter(status=Node.Status.ONLINE, heartbeat_at__gte=_cutoff())
+    return qs.filter(**{READY_FIELD: READY}, heartbeat_at__gte=_cutoff())
 
 
 def node_unready(node: Node, cutoff: datetime | None = None) -> str | None:
     """Why ``node`` takes no new sandboxes (its state, as one word), or None when it does.
     The same test as :func:`placeable`, for a row already read."""
-    if node.status != Node.Status.ONLINE:
-        return str(node.status)
+    if (state := getattr(node, READY_FIELD)) != READY:
+        return str(state)
     if node.heartbeat_at is None or node.heartbeat_at < (cutoff or _cutoff()):
         return "offline"
     return None
@@ -263,10 +267,7 @@ def placement_refusal(p: Placement) -> str:
 
 def _refusal(p: Placement) -> Exception:
     line = placement_refusal(p)
-    cutoff = _cutoff()
-    running: list[Any] = [
-        n for n in Node.objects.filter(launchers__has_key=p.runtime) if node_unready(n, cutoff) is None
-    ]
+    running = list(placeable().filter(launchers__has_key=p.runtime))
     for capability in p.needs:
         if running and capability in CANNOT and not any(n.can(p.runtime, capability) for n in running):
             return InvalidValue(f"{CANNOT[capability].format(runtime=p.runtime)} ({line})")
