@@ -27,6 +27,7 @@ from django.db.models import (
     Exists,
     ExpressionWrapper,
     F,
+    FilteredRelation,
     FloatField,
     OuterRef,
     Q,
@@ -177,13 +178,15 @@ def _candidates(p: Placement) -> QuerySet[Node]:
         qs = qs.filter(id=p.node_id)
     floor = settings.HANGAR_NODE_MIN_FREE_DISK_MB
     holds_image = Image.nodes.through.objects.filter(image_id=p.image.id, node_id=OuterRef("pk"))
-    active = Q(sandboxes__status__in=ACTIVE)
     qs = (
         qs.filter(Exists(holds_image))
         .filter(Q(disk_free_mb__isnull=True) | Q(disk_free_mb__gte=floor))
+        # Joined on (node, status): only active sandboxes are read, however many deleted ones
+        # a node has had.
+        .alias(active=FilteredRelation("sandboxes", condition=Q(sandboxes__status__in=ACTIVE)))
         .annotate(
-            cpu_used=Coalesce(Sum("sandboxes__cpu", filter=active), Value(0.0)),
-            memory_used=Coalesce(Sum("sandboxes__memory_mb", filter=active), Value(0)),
+            cpu_used=Coalesce(Sum("active__cpu"), Value(0.0)),
+            memory_used=Coalesce(Sum("active__memory_mb"), Value(0)),
         )
         .alias(
             free_cpu=ExpressionWrapper(
