@@ -55,7 +55,8 @@ CANNOT = {
 }
 
 POLICIES = ("spread", "pack")
-# How many of the best candidates a placement tries to reserve before it waits for one.
+# How many of the best candidates a placement tries to reserve before it waits for one (and,
+# when all of them filled up meanwhile, asks for the next ones).
 TRIES = 8
 EPSILON = 1e-9  # CPU is a float: 0.1 + 0.2 fits in 0.3
 
@@ -145,16 +146,20 @@ def node_pick(
     )  # fmt: skip
     # The caller's transaction holds the reservation (no savepoint of its own around it).
     with transaction.atomic(savepoint=False):
-        candidates = list(_candidates(p)[:TRIES])
-        waiting: list[Node] = []
-        for node in candidates:  # first, those no other placement holds right now
-            if (got := _reserve(node, p, wait=False)) is True:
-                return node
-            if got is None:
-                waiting.append(node)
-        for node in waiting:  # then wait for them, one at a time (holding no other node)
-            if _reserve(node, p, wait=True):
-                return node
+        full: set[int] = set()  # found full under their lock: the next round skips them
+        while candidates := list(_candidates(p).exclude(id__in=full)[:TRIES]):
+            waiting: list[Node] = []
+            for node in candidates:  # first, those no other placement holds right now
+                if (got := _reserve(node, p, wait=False)) is True:
+                    return node
+                if got is None:
+                    waiting.append(node)
+                else:
+                    full.add(node.id)
+            for node in waiting:  # then wait for them, one at a time (holding no other node)
+                if _reserve(node, p, wait=True):
+                    return node
+                full.add(node.id)
     raise _refusal(p)
 
 
