@@ -6,7 +6,7 @@ PORT ?= 8000
 # The e2b SDK a year older than the one in the test extra, which tests/e2b/test_older_sdk.py runs.
 E2B_OLDER := 2.8.1
 
-.PHONY: up install system-deps test-deps venv test lint bench-tti bench-dashboard bench-pause bench-pools bench-network bench-harness bench-e2b bench-reliability bench-microvm bench-traces services
+.PHONY: up install system-deps test-deps venv test lint bench-tti bench-dashboard bench-pause bench-pools bench-network bench-harness bench-e2b bench-reliability bench-microvm bench-traces bench-scheduler services
 
 up: install
 	$(VENV)/bin/hangar image build busybox
@@ -76,3 +76,6 @@ bench-microvm: install
 
 bench-traces: install
 	$(PY) bench/traces.py
+
+bench-scheduler: install
+	$(PY) bench/scheduler.py

@@ -305,6 +305,11 @@ HANGAR_NODE_CPU = env_float("HANGAR_NODE_CPU", float(os.cpu_count() or 1))
 HANGAR_NODE_MEMORY_MB = env_int("HANGAR_NODE_MEMORY_MB", 0, minimum=0)  # 0: read from /proc/meminfo
 HANGAR_CPU_OVERCOMMIT = env_float("HANGAR_CPU_OVERCOMMIT", 4.0)
 HANGAR_MEMORY_OVERCOMMIT = env_float("HANGAR_MEMORY_OVERCOMMIT", 1.0)
+# Where a new sandbox goes among the nodes that can take it: spread (the one with the most free
+# memory, then CPU) or pack (the fullest that still fits). See docs/fleet-scheduling.md.
+HANGAR_PLACEMENT = env_str("HANGAR_PLACEMENT", "spread")
+if HANGAR_PLACEMENT not in ("spread", "pack"):
+    raise ImproperlyConfigured(f"HANGAR_PLACEMENT must be spread or pack, got {HANGAR_PLACEMENT!r}")
 # A node with less free space than this where its sandboxes' disks are gets no new sandboxes.
 HANGAR_NODE_MIN_FREE_DISK_MB = env_int("HANGAR_NODE_MIN_FREE_DISK_MB", 2048, minimum=0)
 # A node silent this long is lost (docs/fleet.md): its death is seen within this many seconds.

@@ -117,6 +117,12 @@ class SandboxIn(StrictIn):
     auto_resume: bool = Field(False, description="a request to a preview URL resumes it when paused")
     network: NetworkIn | None = Field(None, description="egress policy; default none (no network at all)")
     volumes: list[VolumeMountIn] = Field([], max_length=16)
+    node_selector: dict[str, str] = Field(
+        {},
+        examples=[{"zone": "a"}],
+        description="labels its node must carry, every one of them (at most 16; names and values up to 63 "
+        "letters, digits or -_./); a create no node matches is refused with the reason per node",
+    )
     ephemeral: bool = Field(False, description="keep nothing outside volumes when paused")
     on_expire: Literal["pause", "destroy"] = Field(
         "destroy", description="what happens when timeout_s runs out"
@@ -141,6 +147,7 @@ class SandboxOut(Schema):
     image_digest: str
     runtime: str
     node: str | None
+    node_selector: dict[str, str] = Field(description="labels its node must carry ({}: any node)")
     cpu: float
     memory_mb: int
     disk_mb: int = Field(description="size of its own disk (0: none, the node's filesystem with no limit)")
@@ -295,6 +302,7 @@ async def create_sandbox(request: AuthedRequest, payload: SandboxIn):
             pause_mode=payload.pause_mode, secrets=payload.secrets, auto_resume=payload.auto_resume,
             ports=[p if isinstance(p, int) else p.dict() for p in payload.ports],
             network=payload.network.policy() if payload.network else None, disk_mb=payload.disk_mb,
+            node_selector=payload.node_selector,
         )  # fmt: skip
         sandbox = svc.sandbox_create(
             team=_team(request), user=request.auth.user,

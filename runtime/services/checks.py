@@ -4,6 +4,7 @@ sandbox asks for, its metadata, a command's size against what the runtime can ca
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 from django.conf import settings
@@ -78,3 +79,35 @@ def validate_limits(*, cpu: float, memory_mb: int, timeout_s: int) -> None:
     max_t = settings.HANGAR_SANDBOX_MAX_TIMEOUT_S
     if not 1 <= timeout_s <= max_t:
         raise InvalidValue(f"timeout_s must be between 1 and {max_t}, got {timeout_s}")
+
+
+# A node_selector's labels: Kubernetes' shape, kept small (each one is a condition on every
+# placement, and the sandbox's JSON carries them).
+SELECTOR_MAX_LABELS = 16
+LABEL_MAX_CHARS = 63
+_LABEL_CHARS = re.compile(r"[A-Za-z0-9]([A-Za-z0-9._/-]*[A-Za-z0-9])?")
+
+
+def validate_node_selector(selector: Any) -> dict[str, str]:
+    """``{"label": "value", …}``: at most 16 labels, each key 1–63 characters and each value up
+    to 63, letters, digits and ``-_./`` (starting and ending with a letter or digit), or a 422."""
+    if selector is None:
+        return {}
+    if not isinstance(selector, dict):
+        raise InvalidValue('node_selector must be an object of labels: {"label": "value", …}')
+    if len(selector) > SELECTOR_MAX_LABELS:
+        raise InvalidValue(f"node_selector has {len(selector)} labels; at most {SELECTOR_MAX_LABELS}")
+    for key, value in selector.items():
+        if not isinstance(key, str) or not isinstance(value, str):
+            raise InvalidValue(f"node_selector: label {key!r} must have a string value, got {value!r}")
+        if not 1 <= len(key) <= LABEL_MAX_CHARS or not _LABEL_CHARS.fullmatch(key):
+            raise InvalidValue(
+                f"node_selector: label name {key[:80]!r} must be 1-{LABEL_MAX_CHARS} letters, digits or -_./, "
+                "starting and ending with a letter or digit"
+            )
+        if len(value) > LABEL_MAX_CHARS or (value and not _LABEL_CHARS.fullmatch(value)):
+            raise InvalidValue(
+                f"node_selector: the value of {key!r} must be up to {LABEL_MAX_CHARS} letters, digits or -_./, "
+                "starting and ending with a letter or digit"
+            )
+    return dict(selector)

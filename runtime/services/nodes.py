@@ -1,37 +1,25 @@
-"""Nodes: registration, heartbeats, and the scheduler's choice of node."""
+"""Nodes: registration and heartbeats (the scheduler's choice of node is in ``placement``)."""
 
 from __future__ import annotations
 
 import shutil
-from collections.abc import Iterable
 from datetime import timedelta
 from typing import Any
 
 from celery.exceptions import TimeoutError as CeleryTimeout
 from django.conf import settings
-from django.db import transaction
-from django.db.models import Count, Exists, OuterRef, Q, Sum
 from django.utils import timezone
 
 from .. import enqueue
 from ..errors import Conflict, InvalidValue, NoCapacity, NodeUnavailable
 from ..lifecycle import record_event
 from ..models import Image, Node, Sandbox
+from .placement import ACTIVE, CANNOT, node_pick, nodes_with_usage, placeable
+
+# The choice of node lives in .placement; these names stay importable from here.
+__all__ = ["ACTIVE", "CANNOT", "node_pick", "nodes_with_usage", "placeable"]
 
 N = Node.State
-
-# What holds CPU and memory on a node (a paused sandbox holds only its disk).
-ACTIVE = [
-    Sandbox.Status.PENDING, Sandbox.Status.STARTING, Sandbox.Status.RUNNING,
-    Sandbox.Status.PAUSING, Sandbox.Status.RESUMING,
-]  # fmt: skip
-
-
-# What a runtime without a capability says when a sandbox asks for it (a 422).
-CANNOT = {
-    "network": "network: the {runtime} runtime gives sandboxes no network",
-    "checkpoint": "pause mode checkpoint: the {runtime} runtime cannot checkpoint; pause it with mode stop",
-}
 
 
 def node_register(
@@ -153,82 +141,11 @@ def _node_back(node: Node) -> None:
         record_event(sandbox_id, "node_back", f"node {node.name} answers again", node=node.name)
 
 
-def nodes_with_usage():
-    active = Q(sandboxes__status__in=ACTIVE)
-    return Node.objects.annotate(
-        cpu_used=Sum("sandboxes__cpu", filter=active),
-        memory_used=Sum("sandboxes__memory_mb", filter=active),
-        sandbox_count=Count("sandboxes", filter=active),
-    ).order_by("name")
-
-
-def node_pick(
-    *, runtime: str, cpu: float, memory_mb: int, image: Image, node_id: int | None = None,
-    needs: Iterable[str] = (),
-) -> Node:  # fmt: skip
-    """The online node with the most free memory that runs ``runtime`` with the capabilities
-    ``needs`` (network, checkpoint), holds the image and has room. Call inside a transaction:
-    the chosen node's row stays locked until commit so two concurrent creates cannot both take
-    its last unit of room."""
-    cutoff = timezone.now() - timedelta(seconds=settings.HANGAR_NODE_OFFLINE_AFTER_S)
-    holds_image = Image.nodes.through.objects.filter(image_id=image.id, node_id=OuterRef("pk"))
-    candidates = [
-        n
-        for n in nodes_with_usage()
-        .filter(state=N.READY, heartbeat_at__gte=cutoff)
-        .annotate(has_image=Exists(holds_image))
-        if runtime in (n.launchers or {})
-    ]
-    if not candidates:
-        runtimes = sorted({r for n in Node.objects.filter(state=N.READY) for r in n.launchers or {}})
-        raise NoCapacity(
-            f"no online node runs runtime {runtime!r}"
-            + (f"; available: {', '.join(runtimes)}" if runtimes else "")
-        )
-    for capability in needs:
-        candidates = [n for n in candidates if n.can(runtime, capability)]
-        if not candidates:
-            raise InvalidValue(CANNOT[capability].format(runtime=runtime))
-    if node_id is not None:  # its volumes are there
-        candidates = [n for n in candidates if n.id == node_id]
-        if not candidates:
-            raise NoCapacity(
-                "the node that holds the sandbox's volumes is offline or does not run that runtime"
-            )
-    with_image = [n for n in candidates if n.has_image]
-    if not with_image:
-        raise NoCapacity(f"image {image.name!r} is not on any online node; build or pull it there first")
-    floor = settings.HANGAR_NODE_MIN_FREE_DISK_MB
-    with_disk = [n for n in with_image if n.disk_free_mb is None or n.disk_free_mb >= floor]
-    if not with_disk:
-        raise NoCapacity(
-            f"no node has disk room: their sandboxes' filesystems have less than {floor} MB free; "
-            "free space there or add nodes"
-        )
-    roomy = []
-    for n in with_disk:
-        free_cpu = n.cpu_capacity * settings.HANGAR_CPU_OVERCOMMIT - (n.cpu_used or 0)
-        free_mem = n.memory_mb_capacity * settings.HANGAR_MEMORY_OVERCOMMIT - (n.memory_used or 0)
-        if free_cpu >= cpu and free_mem >= memory_mb:
-            roomy.append((free_mem, free_cpu, n))
-    if not roomy:
-        raise NoCapacity(
-            f"no node has room for {cpu:g} cpu and {memory_mb} MB right now; delete sandboxes or add nodes"
-        )
-    roomy.sort(key=lambda t: (t[0], t[1]), reverse=True)
-    chosen = roomy[0][2]
-    # Lock so the capacity decision holds until the caller's transaction commits (that
-    # transaction is the caller's: no savepoint of its own).
-    with transaction.atomic(savepoint=False):
-        Node.objects.select_for_update().filter(id=chosen.id).values_list("id").first()
-    return chosen
-
-
 def runtimes_offered() -> dict[str, dict[str, bool]]:
     """The runtimes the online nodes run, each with what its sandboxes can have on at least
     one of them (for the create form)."""
     offered: dict[str, dict[str, bool]] = {}
-    for launchers in Node.objects.filter(state=N.READY).values_list("launchers", flat=True):
+    for launchers in placeable().values_list("launchers", flat=True):
         for runtime, caps in (launchers or {}).items():
             mine = offered.setdefault(runtime, {})
             for key, value in caps.items():
@@ -240,7 +157,7 @@ def runtimes_offered() -> dict[str, dict[str, bool]]:
 def runtime_require(*, runtime: str, capability: str) -> None:
     """An online node runs ``runtime`` with ``capability``, or a 422 that says it cannot (a
     runtime no node runs is left to the scheduler, which says so)."""
-    online = Node.objects.filter(state=N.READY).values_list("launchers", flat=True)
+    online = placeable().values_list("launchers", flat=True)
     running = [launchers[runtime] for launchers in online if runtime in (launchers or {})]
     if running and not any(caps.get(capability) for caps in running):
         raise InvalidValue(CANNOT[capability].format(runtime=runtime))

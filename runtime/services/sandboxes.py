@@ -28,7 +28,14 @@ from . import secrets as secret_svc
 from . import usage as usage_svc
 from . import volumes as volume_svc
 from .auth import sandbox_reach
-from .checks import validate_command_size, validate_env, validate_limits, validate_metadata, validate_runtime
+from .checks import (
+    validate_command_size,
+    validate_env,
+    validate_limits,
+    validate_metadata,
+    validate_node_selector,
+    validate_runtime,
+)  # fmt: skip
 from .images import image_resolve
 from .nodes import CANNOT, node_pick
 from .previews import validate_ports
@@ -179,6 +186,7 @@ class SandboxRequest:
     auto_resume: bool = False
     network: dict[str, Any] | None = None
     disk_mb: int | None = None
+    node_selector: dict[str, str] | None = None  # labels its node must carry, all of them
 
 
 @spans.traced("sandbox.create")
@@ -209,6 +217,7 @@ def sandbox_create(
             f"idle_timeout_s must be between 10 and {settings.HANGAR_SANDBOX_MAX_TIMEOUT_S}, got {idle_timeout_s}"
         )
     net = validate_network(r.network)
+    node_selector = validate_node_selector(r.node_selector)
     _validate_pause_mode(pause_mode, ephemeral=ephemeral)
     secret_names = secret_svc.validate_names(team=team, names=r.secrets or [], env=env)
     port_list = validate_ports(r.ports or [])
@@ -219,7 +228,7 @@ def sandbox_create(
     usage_svc.budget_check(team, policy)
     image_row = image_resolve(image)
     mounts = volume_svc.resolve_mounts(team=team, mounts=r.volumes or [])
-    if not mounts and not ephemeral:
+    if not mounts and not ephemeral and not node_selector:
         # A warm pool of the team keeps this spec started: take one of its members (one with a
         # network of its own when this asks for egress; the claim sets the policy).
         def claimed_now(member_id: str, pool_id: str | None) -> None:  # in the claim's transaction
@@ -260,7 +269,7 @@ def sandbox_create(
         needs = ["network"] * bool(net) + ["checkpoint"] * (pause_mode == PAUSE_MODE_CHECKPOINT)
         node = node_pick(
             runtime=runtime, cpu=cpu, memory_mb=memory_mb, image=image_row,
-            node_id=volume_svc.volume_node_id(mounts), needs=needs,
+            node_id=volume_svc.volume_node_id(mounts), needs=needs, node_selector=node_selector,
         )  # fmt: skip
         _env_fits(node, runtime, env)
         sandbox = Sandbox.objects.create(
@@ -271,6 +280,7 @@ def sandbox_create(
             image_digest=image_row.digest,
             runtime=runtime,
             node=node,
+            node_selector=node_selector,
             cpu=cpu,
             memory_mb=memory_mb,
             disk_mb=disk_mb,

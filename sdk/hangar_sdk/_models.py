@@ -28,6 +28,7 @@ class SandboxInfo:
     image: str = ""
     runtime: str = ""
     node: str | None = None
+    node_selector: dict[str, str] = field(default_factory=dict)  # labels its node must carry
     cpu: float = 0.0
     memory_mb: int = 0
     disk_mb: int = 0

@@ -58,7 +58,7 @@ class Sandbox:
         **extra: Any,
     ) -> Sandbox:  # fmt: skip
         """Start a sandbox and return it once it runs. ``extra`` takes the API's other create
-        fields (``disk_mb``, ``secrets``, ``ports``, ``metadata``, ``volumes``, …)."""
+        fields (``disk_mb``, ``node_selector``, ``secrets``, ``ports``, ``metadata``, ``volumes``, …)."""
         t = Transport(Config.resolve(url, token))
         call = api.sandbox_create(image=image, timeout_s=timeout_s, memory_mb=memory_mb, cpu=cpu, env=env,
                                   network=network, extra=extra)  # fmt: skip

@@ -1,0 +1,197 @@
+#!/usr/bin/env python3
+"""The scheduler against simulated fleets: placements per second with the real ``node_pick``
+and the real Postgres, for 10, 100 and 1,000 nodes.
+
+A fleet is node rows with fresh heartbeats, launchers and labels, and one image row held by
+every node; nothing runs. A placement is what ``sandbox_create`` does around the choice:
+``node_pick`` in a transaction that then writes the sandbox's row (pending) and commits, so
+every placement counts the ones before it. Measured single-threaded and with N worker
+processes, each with its own database connection. Runs in a database of its own
+(``<DATABASE_URL's name>_bench_scheduler``, created, migrated and dropped here).
+
+Prints a table and writes JSON (default bench/results/scheduler.json). Needs DATABASE_URL to
+name a Postgres server (the issue's target: 5,000 placements/s on this machine).
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlparse, urlunparse
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(ROOT), str(ROOT / "bench")]  # the repo first: bench/dashboard.py must not hide the package
+
+from _common import write_results  # noqa: E402
+
+LAUNCHERS = {
+    "gvisor": {"network": True, "checkpoint": True, "kvm": False, "gpu": False, "max_command_bytes": 1 << 20}
+}
+
+
+def bench_database(url: str) -> tuple[str, str]:
+    """The bench's own database on DATABASE_URL's server: (its URL, the server's admin URL)."""
+    parsed = urlparse(url)
+    if parsed.scheme not in ("postgres", "postgresql"):
+        raise SystemExit("bench/scheduler.py needs DATABASE_URL=postgres://…")
+    name = (parsed.path.lstrip("/") or "hangar") + "_bench_scheduler"
+    return urlunparse(parsed._replace(path=f"/{name}")), urlunparse(parsed._replace(path="/postgres"))
+
+
+def recreate(admin_url: str, name: str, *, drop_only: bool = False) -> None:
+    import psycopg
+
+    with psycopg.connect(admin_url, autocommit=True) as conn:
+        conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+        if not drop_only:
+            conn.execute(f'CREATE DATABASE "{name}"')
+
+
+def setup_django() -> None:
+    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "dashboard.settings")
+    import django
+
+    django.setup()
+
+
+def make_fleet(nodes: int, live_per_node: int) -> None:
+    """``nodes`` ready node rows (16 cpu, 64 GB each) already running ``live_per_node`` sandboxes
+    each, one image on all of them, one team."""
+    from django.utils import timezone
+
+    from runtime.models import Image, Node, Sandbox, Team
+
+    Sandbox.objects.all().delete()
+    Image.objects.all().delete()
+    Node.objects.all().delete()
+    Team.objects.get_or_create(name="bench")
+    now = timezone.now()
+    rows = Node.objects.bulk_create(
+        Node(name=f"sim-{i:05d}", launchers=LAUNCHERS, cpu_capacity=16, memory_mb_capacity=65536,
+             labels={"zone": "abc"[i % 3]}, state=Node.State.READY, heartbeat_at=now, started_at=now,
+             disk_free_mb=500_000)
+        for i in range(nodes)
+    )  # fmt: skip
+    image = Image.objects.create(name="bench", digest="sha256:" + "b" * 64)
+    image.nodes.add(*rows)
+    team = Team.objects.get(name="bench")
+    Sandbox.objects.bulk_create(
+        (Sandbox(team=team, image=image.name, image_digest=image.digest, runtime="gvisor", node=node, cpu=0.25,
+                 memory_mb=128, status=Sandbox.Status.RUNNING)
+         for node in rows for _ in range(live_per_node)),
+        batch_size=2000,
+    )  # fmt: skip
+
+
+def place(count: int, selector: dict[str, str] | None = None) -> int:
+    """``count`` placements, each in its own committed transaction; how many were refused."""
+    from django.db import transaction
+
+    from runtime.errors import NoCapacity
+    from runtime.models import Image, Sandbox, Team
+    from runtime.services.placement import node_pick
+
+    team = Team.objects.get(name="bench")
+    image = Image.objects.get(name="bench")
+    refused = 0
+    for _ in range(count):
+        try:
+            with transaction.atomic():
+                node = node_pick(
+                    runtime="gvisor", cpu=0.25, memory_mb=128, image=image, node_selector=selector
+                )
+                Sandbox.objects.create(team=team, image=image.name, image_digest=image.digest, runtime="gvisor",
+                                       node=node, cpu=0.25, memory_mb=128, node_selector=selector or {})  # fmt: skip
+        except NoCapacity:
+            refused += 1
+    return refused
+
+
+def _worker(count: int, start: Any, out: Any) -> None:
+    from django.db import connections
+
+    connections.close_all()  # a connection of its own, not the parent's
+    start.wait()
+    out.put(place(count))
+
+
+def run_concurrent(workers: int, total: int) -> tuple[float, int]:
+    from django.db import connections
+
+    connections.close_all()
+    ctx = mp.get_context("fork")
+    start, out = ctx.Event(), ctx.Queue()
+    procs = [ctx.Process(target=_worker, args=(total // workers, start, out)) for _ in range(workers)]
+    for p in procs:
+        p.start()
+    time.sleep(0.5)  # every worker ready (its imports are the parent's)
+    t0 = time.perf_counter()
+    start.set()
+    refused = sum(out.get() for _ in procs)
+    elapsed = time.perf_counter() - t0
+    for p in procs:
+        p.join()
+    return elapsed, refused
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--nodes", default="10,100,1000", help="fleet sizes, comma-separated")
+    parser.add_argument("-n", type=int, default=1000, help="placements per measurement")
+    parser.add_argument("--workers", default="2,4,8", help="concurrent worker processes, comma-separated")
+    parser.add_argument("--live", type=int, default=10, help="sandboxes already running on each node")
+    parser.add_argument("--json", default=str(ROOT / "bench" / "results" / "scheduler.json"))
+    args = parser.parse_args()
+
+    url, admin_url = bench_database(os.environ.get("DATABASE_URL", ""))
+    name = urlparse(url).path.lstrip("/")
+    recreate(admin_url, name)
+    os.environ["DATABASE_URL"] = url
+    rows: list[dict] = []
+    try:
+        setup_django()
+        from django.conf import settings
+        from django.core.management import call_command
+        from django.db import connections
+
+        call_command("migrate", verbosity=0)
+        for nodes in [int(x) for x in args.nodes.split(",")]:
+            for workers in [1] + [int(x) for x in args.workers.split(",")]:
+                make_fleet(nodes, args.live)
+                if workers == 1:
+                    t0 = time.perf_counter()
+                    refused = place(args.n)
+                    elapsed = time.perf_counter() - t0
+                else:
+                    elapsed, refused = run_concurrent(workers, args.n)
+                placed = (args.n // workers) * workers - refused
+                row = {"nodes": nodes, "live": nodes * args.live, "workers": workers, "placements": placed, "refused": refused,
+                       "seconds": round(elapsed, 3), "per_s": round(placed / elapsed, 1),
+                       "policy": settings.HANGAR_PLACEMENT}  # fmt: skip
+                rows.append(row)
+                print(f"{nodes:>5} nodes, {workers} worker(s): {row['per_s']:>8.1f} placements/s", flush=True)
+        connections.close_all()
+    finally:
+        recreate(admin_url, name, drop_only=True)
+
+    print()
+    print(f"policy {rows[0]['policy']}, {args.live} sandboxes already running on each node")
+    print("| nodes | live sandboxes | workers | placements/s | placements | refused |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for r in rows:
+        print(
+            f"| {r['nodes']} | {r['live']} | {r['workers']} | {r['per_s']:.0f} | {r['placements']} | {r['refused']} |"
+        )
+    write_results(args.json, {"cpus": os.cpu_count(), "target_per_s": 5000, "runs": rows})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

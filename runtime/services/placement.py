@@ -1,0 +1,282 @@
+"""Placement: which node a new (or resuming) sandbox goes to, and why none can take it.
+
+A node takes a sandbox when it is ready (:func:`node_unready`), runs its runtime with every
+capability it needs, carries every label of its ``node_selector``, is the node of its volumes
+when it attaches any (a sandbox using a volume goes where the volume lives: volumes do not
+move), holds its image, has disk above the floor, and has CPU and memory left under the
+overcommit ratios. Among those, ``HANGAR_PLACEMENT=spread`` (the default) takes the one with the
+most free memory (then CPU), ``pack`` the one with the least that still fits.
+
+The choice is made in one SQL query; the reservation is the chosen node's row, locked and
+its room counted again under the lock, so two concurrent placements on the last unit of room
+cannot both succeed. When nothing fits, every node is looked at once more to say why, in one
+line: ``no node: 2 lack kvm, 1 offline, 3 full on memory``.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+
+from django.conf import settings
+from django.db import transaction
+from django.db.models import (
+    Count,
+    Exists,
+    ExpressionWrapper,
+    F,
+    FilteredRelation,
+    FloatField,
+    OuterRef,
+    Q,
+    QuerySet,
+    Sum,
+    Value,
+)
+from django.db.models.fields.json import KeyTextTransform, KeyTransform
+from django.db.models.functions import Coalesce
+from django.utils import timezone
+
+from ..errors import InvalidValue, NoCapacity
+from ..models import Image, Node, Sandbox
+
+# What holds CPU and memory on a node (a paused sandbox holds only its disk).
+ACTIVE = [
+    Sandbox.Status.PENDING, Sandbox.Status.STARTING, Sandbox.Status.RUNNING,
+    Sandbox.Status.PAUSING, Sandbox.Status.RESUMING,
+]  # fmt: skip
+
+# What a runtime without a capability says when a sandbox asks for it (a 422).
+CANNOT = {
+    "network": "network: the {runtime} runtime gives sandboxes no network",
+    "checkpoint": "pause mode checkpoint: the {runtime} runtime cannot checkpoint; pause it with mode stop",
+}
+
+POLICIES = ("spread", "pack")
+# How many of the best candidates a placement tries to reserve before it waits for one (and,
+# when all of them filled up meanwhile, asks for the next ones).
+TRIES = 8
+EPSILON = 1e-9  # CPU is a float: 0.1 + 0.2 fits in 0.3
+
+
+@dataclass(frozen=True)
+class Placement:
+    """What a sandbox asks of its node."""
+
+    runtime: str
+    cpu: float
+    memory_mb: int
+    image: Image
+    node_id: int | None = None  # the node of its volumes
+    needs: tuple[str, ...] = ()  # capabilities: network, checkpoint, kvm, gpu…
+    node_selector: Mapping[str, str] = field(default_factory=dict)
+
+
+# -- the one place that reads a node's state ---------------------------------------------------
+
+
+def _cutoff() -> datetime:
+    return timezone.now() - timedelta(seconds=settings.HANGAR_NODE_OFFLINE_AFTER_S)
+
+
+# The node field that says whether it takes new sandboxes, and the value that does: the one line
+# that knows how a node's state is stored.
+READY_FIELD, READY = "state", Node.State.READY
+
+
+def placeable(qs: QuerySet[Node] | None = None) -> QuerySet[Node]:
+    """The nodes that take new sandboxes (ready, with a recent heartbeat)."""
+    qs = Node.objects.all() if qs is None else qs
+    return qs.filter(**{READY_FIELD: READY}, heartbeat_at__gte=_cutoff())
+
+
+def node_unready(node: Node, cutoff: datetime | None = None) -> str | None:
+    """Why ``node`` takes no new sandboxes (its state, as one word), or None when it does.
+    The same test as :func:`placeable`, for a row already read."""
+    if (state := getattr(node, READY_FIELD)) != READY:
+        return str(state)
+    if node.heartbeat_at is None or node.heartbeat_at < (cutoff or _cutoff()):
+        return "offline"
+    return None
+
+
+# -- usage ---------------------------------------------------------------------------------------
+
+
+def nodes_with_usage():  # its rows carry the usage annotations
+    active = Q(sandboxes__status__in=ACTIVE)
+    return Node.objects.annotate(
+        cpu_used=Sum("sandboxes__cpu", filter=active),
+        memory_used=Sum("sandboxes__memory_mb", filter=active),
+        sandbox_count=Count("sandboxes", filter=active),
+    ).order_by("name")
+
+
+def _free(node: Node, cpu_used: float, memory_used: int) -> tuple[float, float]:
+    return (
+        node.cpu_capacity * settings.HANGAR_CPU_OVERCOMMIT - cpu_used,
+        node.memory_mb_capacity * settings.HANGAR_MEMORY_OVERCOMMIT - memory_used,
+    )
+
+
+def _short_of(node: Node, p: Placement, cpu_used: float, memory_used: int) -> list[str]:
+    """The resources ``node`` lacks for ``p`` (cpu, memory): none when it fits."""
+    free_cpu, free_mem = _free(node, cpu_used, memory_used)
+    return ["cpu"] * (free_cpu + EPSILON < p.cpu) + ["memory"] * (free_mem < p.memory_mb)
+
+
+# -- the choice ------------------------------------------------------------------------------------
+
+
+def node_pick(
+    *, runtime: str, cpu: float, memory_mb: int, image: Image, node_id: int | None = None,
+    needs: Iterable[str] = (), node_selector: Mapping[str, str] | None = None,
+) -> Node:  # fmt: skip
+    """The ready node for a sandbox of ``runtime`` with ``needs`` (capabilities), ``cpu`` and
+    ``memory_mb``, on ``node_id`` when given (its volumes are there), carrying every label of
+    ``node_selector``, chosen by ``HANGAR_PLACEMENT``. Call inside a transaction that then writes
+    the sandbox's row: the node's row stays locked until commit, so concurrent placements never
+    take more than its room. :class:`NoCapacity` (503) says why each node could not take it;
+    :class:`InvalidValue` (422) when no node running ``runtime`` has a capability it needs."""
+    p = Placement(
+        runtime=runtime, cpu=cpu, memory_mb=memory_mb, image=image, node_id=node_id,
+        needs=tuple(dict.fromkeys(needs)), node_selector=dict(node_selector or {}),
+    )  # fmt: skip
+    # The caller's transaction holds the reservation (no savepoint of its own around it).
+    with transaction.atomic(savepoint=False):
+        full: set[int] = set()  # found full under their lock: the next round skips them
+        while candidates := list(_candidates(p).exclude(id__in=full)[:TRIES]):
+            waiting: list[Node] = []
+            for node in candidates:  # first, those no other placement holds right now
+                if (got := _reserve(node, p, wait=False)) is True:
+                    return node
+                if got is None:
+                    waiting.append(node)
+                else:
+                    full.add(node.id)
+            for node in waiting:  # then wait for them, one at a time (holding no other node)
+                if _reserve(node, p, wait=True):
+                    return node
+                full.add(node.id)
+    raise _refusal(p)
+
+
+def _policy() -> str:
+    policy = str(settings.HANGAR_PLACEMENT)
+    if policy not in POLICIES:
+        raise InvalidValue(f"HANGAR_PLACEMENT must be one of {', '.join(POLICIES)}, got {policy!r}")
+    return policy
+
+
+def _candidates(p: Placement) -> QuerySet[Node]:
+    """The nodes that can take ``p`` as far as the database says, best first: one query."""
+    qs = placeable().filter(launchers__has_key=p.runtime)
+    for i, capability in enumerate(p.needs):
+        qs = qs.alias(**{f"cap{i}": KeyTransform(capability, KeyTransform(p.runtime, "launchers"))}).filter(
+            **{f"cap{i}": True}
+        )
+    for i, (key, value) in enumerate(sorted(p.node_selector.items())):
+        qs = qs.alias(**{f"label{i}": KeyTextTransform(key, "labels")}).filter(**{f"label{i}": value})
+    if p.node_id is not None:
+        qs = qs.filter(id=p.node_id)
+    floor = settings.HANGAR_NODE_MIN_FREE_DISK_MB
+    holds_image = Image.nodes.through.objects.filter(image_id=p.image.id, node_id=OuterRef("pk"))
+    qs = (
+        qs.filter(Exists(holds_image))
+        .filter(Q(disk_free_mb__isnull=True) | Q(disk_free_mb__gte=floor))
+        # Joined on (node, status): only active sandboxes are read, however many deleted ones
+        # a node has had.
+        .alias(active=FilteredRelation("sandboxes", condition=Q(sandboxes__status__in=ACTIVE)))
+        .annotate(
+            cpu_used=Coalesce(Sum("active__cpu"), Value(0.0)),
+            memory_used=Coalesce(Sum("active__memory_mb"), Value(0)),
+        )
+        .alias(
+            free_cpu=ExpressionWrapper(
+                F("cpu_capacity") * Value(settings.HANGAR_CPU_OVERCOMMIT) - F("cpu_used"),
+                output_field=FloatField(),
+            ),
+            free_mem=ExpressionWrapper(
+                F("memory_mb_capacity") * Value(settings.HANGAR_MEMORY_OVERCOMMIT) - F("memory_used"),
+                output_field=FloatField(),
+            ),
+        )
+        .filter(free_cpu__gte=p.cpu - EPSILON, free_mem__gte=p.memory_mb)
+    )
+    if _policy() == "pack":
+        return qs.order_by("free_mem", "free_cpu", "name")
+    return qs.order_by("-free_mem", "-free_cpu", "name")
+
+
+def _reserve(node: Node, p: Placement, *, wait: bool) -> bool | None:
+    """Lock ``node``'s row and count its room again under the lock: True (reserved: the lock
+    stays until the caller's transaction ends), False (it no longer fits: released), None (another
+    placement holds it and ``wait`` is False)."""
+    sid = transaction.savepoint()
+    locked = Node.objects.select_for_update(skip_locked=not wait).filter(id=node.id).values_list("id").first()
+    if locked is None:
+        transaction.savepoint_rollback(sid)
+        return None
+    # A statement after the lock sees every placement on this node that committed before it.
+    used = Sandbox.objects.filter(node_id=node.id, status__in=ACTIVE).aggregate(
+        cpu=Coalesce(Sum("cpu"), Value(0.0)), memory=Coalesce(Sum("memory_mb"), Value(0))
+    )
+    if _short_of(node, p, used["cpu"], used["memory"]):
+        transaction.savepoint_rollback(sid)  # which releases the row's lock
+        return False
+    transaction.savepoint_commit(sid)
+    return True
+
+
+# -- the refusal ------------------------------------------------------------------------------------
+
+
+def _why_not(node: Node, p: Placement, cutoff: datetime) -> str | None:
+    """The first reason ``node`` cannot take ``p`` (None: it can)."""
+    if unready := node_unready(node, cutoff):
+        return unready
+    if p.runtime not in (node.launchers or {}):
+        return f"lack runtime {p.runtime}"
+    for capability in p.needs:
+        if not node.can(p.runtime, capability):
+            return f"lack {capability}"
+    labels = node.labels if isinstance(node.labels, dict) else {}
+    for key, value in sorted(p.node_selector.items()):
+        if labels.get(key) != value:
+            return f"lack label {key}={value}"
+    if p.node_id is not None and node.id != p.node_id:
+        return "lack its volumes"
+    if not getattr(node, "has_image", True):
+        return f"lack image {p.image.name}"
+    if node.disk_free_mb is not None and node.disk_free_mb < settings.HANGAR_NODE_MIN_FREE_DISK_MB:
+        return "full on disk"
+    short = _short_of(node, p, getattr(node, "cpu_used", None) or 0, getattr(node, "memory_used", None) or 0)
+    return f"full on {' and '.join(short)}" if short else None
+
+
+def placement_refusal(p: Placement) -> str:
+    """Why no node takes ``p``, per node, in one line."""
+    holds_image = Image.nodes.through.objects.filter(image_id=p.image.id, node_id=OuterRef("pk"))
+    nodes = list(nodes_with_usage().annotate(has_image=Exists(holds_image)))
+    if not nodes:
+        return "no node: none has joined; start one with `hangar node`"
+    cutoff = _cutoff()
+    reasons = Counter(_why_not(n, p, cutoff) or "busy with other placements" for n in nodes)
+    line = "no node: " + ", ".join(f"{count} {reason}" for reason, count in reasons.items())
+    if f"lack runtime {p.runtime}" in reasons:
+        offered = sorted({r for n in nodes if node_unready(n, cutoff) is None for r in n.launchers or {}})
+        line += f"; ready nodes run {', '.join(offered)}" if offered else "; no node is ready"
+    if any(r.startswith("full on disk") for r in reasons):
+        line += f" (under {settings.HANGAR_NODE_MIN_FREE_DISK_MB} MB free)"
+    return line
+
+
+def _refusal(p: Placement) -> Exception:
+    line = placement_refusal(p)
+    running = list(placeable().filter(launchers__has_key=p.runtime))
+    for capability in p.needs:
+        if running and capability in CANNOT and not any(n.can(p.runtime, capability) for n in running):
+            return InvalidValue(f"{CANNOT[capability].format(runtime=p.runtime)} ({line})")
+    return NoCapacity(line)
