@@ -25,7 +25,10 @@ from typing import Any
 from urllib.parse import urlparse, urlunparse
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(ROOT), str(ROOT / "bench")]  # the repo first: bench/dashboard.py must not hide the package
+sys.path[:0] = [
+    str(ROOT),
+    str(ROOT / "bench"),
+]  # the repo first: bench/dashboard.py must not hide the package
 
 from _common import write_results  # noqa: E402
 

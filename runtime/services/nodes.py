@@ -8,12 +8,13 @@ from typing import Any
 
 from celery.exceptions import TimeoutError as CeleryTimeout
 from django.conf import settings
+from django.db import transaction
 from django.utils import timezone
 
 from .. import enqueue
-from ..errors import Conflict, InvalidValue, NoCapacity, NodeUnavailable
+from ..errors import Conflict, InvalidValue, NodeUnavailable
 from ..lifecycle import record_event
-from ..models import Image, Node, Sandbox
+from ..models import Node, Sandbox
 from .placement import ACTIVE, CANNOT, node_pick, nodes_with_usage, placeable
 
 # The choice of node lives in .placement; these names stay importable from here.

@@ -536,14 +536,14 @@ def test_the_create_form_and_the_node_table_say_whether_microvm_has_kvm(client, 
     """A microVM node says whether its KVM runs guests (the node's probe); the form and the nodes
     table say so beside the runtime, so a user knows a create there boots in seconds, not less."""
     Image.objects.create(name="busybox", digest="sha256:" + "a" * 64)
-    caps = {"network": True, "checkpoint": True}
+    caps = {"network": True, "checkpoint": True, "vm": True}
     node_register(
-        name="emulated", launchers={GVISOR: caps, "microvm": {**caps, "kvm": False}}, cpu=2, memory_mb=4096
+        name="emulated", launchers={**GVISOR, "microvm": {**caps, "kvm": False}}, cpu=2, memory_mb=4096
     )
     page = client.get("/sandboxes/").content.decode()
     assert '<option value="microvm">microvm (emulated: no KVM)</option>' in page, page
     assert "microvm: emulated: no KVM (its nodes say)" in page
-    assert '<option value="gvisor">gvisor</option>' in page  # no notes: it has it all, and is no VM
+    assert '<option value="gvisor" selected>gvisor</option>' in page  # no notes: it has it all, no VM
     nodes = client.get("/", HTTP_HX_REQUEST="true").content.decode()
     assert "microvm (emulated: no KVM)" in nodes
     node_register(name="fast", launchers={"microvm": {**caps, "kvm": True}}, cpu=2, memory_mb=4096)
