@@ -14,7 +14,7 @@ from runtime.services import fleet
 
 from .auth import AuthedRequest
 from .blocking import blocking
-from .schemas import StrictIn
+from .schemas import StrictIn, errors
 
 router = Router(tags=["nodes"])
 
@@ -126,7 +126,7 @@ async def revoke_join_token(request: AuthedRequest, token_id: int):
     return await blocking(lambda: fleet.join_token_revoke(token_id=token_id))()
 
 
-@router.post("/join", response=JoinOut, auth=None)
+@router.post("/join", response={200: JoinOut, **errors(401, 409)}, auth=None)
 async def join(request: HttpRequest, payload: JoinIn):
     """A new node joins with a join token (no API token): a token that is unknown, used up,
     expired or revoked is a 401. The answer is what the node needs to run: the database and
@@ -136,28 +136,28 @@ async def join(request: HttpRequest, payload: JoinIn):
     )()
 
 
-@router.post("/{name}/cordon", response=FleetNodeOut)
+@router.post("/{name}/cordon", response={200: FleetNodeOut, **errors(409)})
 async def cordon(request: AuthedRequest, name: str):
     """No new sandbox is placed there; what runs there goes on."""
     await blocking(lambda: fleet.node_cordon(name=name))()
     return await _one(name)
 
 
-@router.post("/{name}/uncordon", response=FleetNodeOut)
+@router.post("/{name}/uncordon", response={200: FleetNodeOut, **errors(409)})
 async def uncordon(request: AuthedRequest, name: str):
     """A cordoned or draining node takes new sandboxes again."""
     await blocking(lambda: fleet.node_uncordon(name=name))()
     return await _one(name)
 
 
-@router.post("/{name}/drain", response=DrainOut)
+@router.post("/{name}/drain", response={200: DrainOut, **errors(409)})
 async def drain(request: AuthedRequest, name: str):
     """Cordon it, replace its warm pools' members on other nodes, and leave the rest to end
     (paused sandboxes stay: docs/fleet.md)."""
     return await blocking(lambda: fleet.node_drain(name=name))()
 
 
-@router.delete("/{name}", response=FleetNodeOut)
+@router.delete("/{name}", response={200: FleetNodeOut, **errors(409)})
 async def remove(request: AuthedRequest, name: str):
     """Take it out for good: a 409 while it still holds sandboxes."""
     await blocking(lambda: fleet.node_remove(name=name))()

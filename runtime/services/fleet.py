@@ -201,8 +201,8 @@ def join_token_revoke(*, token_id: int) -> NodeJoinToken:
             revoked_at=timezone.now()
         ):
             audit.record("node.join_token.revoke", target=token.prefix)
-    token.refresh_from_db()
-    return token
+    # Fetched again with its creator: the API serialises it off the database thread.
+    return NodeJoinToken.objects.select_related("created_by").get(id=token.id)
 
 
 def join_refusal() -> str:

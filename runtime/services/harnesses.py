@@ -204,7 +204,7 @@ def mask_values(h: Harness) -> list[str]:
     if h.api_token_ciphertext:
         with contextlib.suppress(Exception):
             values.append(secret_svc.decrypt(bytes(h.api_token_ciphertext)))
-    return [v for v in values if len(v) >= 4]
+    return [v for v in values if len(v) >= secret_svc.MASK_MIN_CHARS]
 
 
 # -- create ---------------------------------------------------------------------------------------

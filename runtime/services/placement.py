@@ -35,7 +35,7 @@ from django.db.models import (
     Sum,
     Value,
 )
-from django.db.models.fields.json import KeyTextTransform, KeyTransform
+from django.db.models.fields.json import KeyTransform
 from django.db.models.functions import Coalesce
 from django.utils import timezone
 
@@ -178,7 +178,9 @@ def _candidates(p: Placement) -> QuerySet[Node]:
             **{f"cap{i}": True}
         )
     for i, (key, value) in enumerate(sorted(p.node_selector.items())):
-        qs = qs.alias(**{f"label{i}": KeyTextTransform(key, "labels")}).filter(**{f"label{i}": value})
+        # A JSON key's equality (KeyTransformExact): the value compared as JSON on Postgres and
+        # on SQLite alike (a text transform's string is not JSON to SQLite's json_extract).
+        qs = qs.alias(**{f"label{i}": KeyTransform(key, "labels")}).filter(**{f"label{i}": value})
     if p.node_id is not None:
         qs = qs.filter(id=p.node_id)
     floor = settings.HANGAR_NODE_MIN_FREE_DISK_MB
@@ -275,6 +277,13 @@ def placement_refusal(p: Placement) -> str:
 
 def _refusal(p: Placement) -> Exception:
     line = placement_refusal(p)
+    if p.node_selector and not any(
+        all((n.labels if isinstance(n.labels, dict) else {}).get(k) == v for k, v in p.node_selector.items())
+        for n in Node.objects.exclude(state=Node.State.REMOVED).only("labels")
+    ):
+        # Nothing in the fleet carries them: waiting would not help, the request must change.
+        wanted = ", ".join(f"{k}={v}" for k, v in sorted(p.node_selector.items()))
+        return InvalidValue(f"node_selector: no node carries the labels {wanted} ({line})")
     running = list(placeable().filter(launchers__has_key=p.runtime))
     for capability in p.needs:
         if running and capability in CANNOT and not any(n.can(p.runtime, capability) for n in running):

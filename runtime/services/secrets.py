@@ -215,6 +215,11 @@ def secrets_rotate() -> int:
     return n
 
 
+# Values shorter than this are not masked out of output and telemetry: replacing every "a" or
+# "42" would garble everything and hide nothing (such a value is guessed at once anyway).
+MASK_MIN_CHARS = 4
+
+
 def team_values(*, team_id: int) -> list[str]:
     """The team's secrets' values, decrypted: what is masked out of what the team's agents and
     sandboxes report (their telemetry). Never logged, never stored."""

@@ -57,6 +57,13 @@ def _json(x: Any) -> str:
         return _encode(_finite(x))
 
 
+# What a row names rather than says: never masked (a secret that happens to be a run of hex
+# digits must not turn a trace's ids into something else).
+_IDS = frozenset({"trace_id", "span_id", "parent_span_id", "sandbox_id", "run_id", "harness_id"})
+# Columns of bounded length, cut again after masking (a "***" can be longer than what it hides).
+_BOUNDED = {"name": 255, "service": 255, "severity_text": 32}
+
+
 def _masker(values: list[str]) -> Any:
     def mask(x: Any) -> Any:
         if isinstance(x, str):
@@ -70,7 +77,25 @@ def _masker(values: list[str]) -> Any:
             return {k: mask(i) for k, i in x.items()}
         return x
 
-    return mask
+    def row_mask(row: dict[str, Any]) -> dict[str, Any]:
+        out = {k: (v if k in _IDS else mask(v)) for k, v in row.items()}
+        for key, limit in _BOUNDED.items():
+            if isinstance(out.get(key), str):
+                out[key] = out[key][:limit]
+        if row.get("links"):
+            out["links"] = [
+                {**link, "attributes": mask(link.get("attributes") or {})} for link in row["links"]
+            ]
+        return out
+
+    return row_mask
+
+
+def _mask_values(team_id: int) -> list[str]:
+    """The team's secrets' values to mask, longest first (the shortest are left: see
+    :data:`secret_svc.MASK_MIN_CHARS`)."""
+    values = {v for v in secret_svc.team_values(team_id=team_id) if len(v) >= secret_svc.MASK_MIN_CHARS}
+    return sorted(values, key=len, reverse=True)
 
 
 @dataclass
@@ -89,7 +114,7 @@ def _prepared(team_id: int, rows: list[dict[str, Any]]) -> _Batch:
     # The team's secrets' values, longest first, and as they read inside a JSON string: a string
     # that holds one holds it JSON-escaped once encoded, so a row whose encoded values and text
     # mention none (the usual case: one substring search each) is stored as it came.
-    values = sorted({v for v in secret_svc.team_values(team_id=team_id) if v}, key=len, reverse=True)
+    values = _mask_values(team_id)
     mask = _masker(values) if values else None
     probes = [_encode(v)[1:-1] for v in values]
     limit = int(settings.HANGAR_TRACE_VALUE_BYTES)
@@ -210,7 +235,7 @@ def spans_store(*, team: Team, decoded: Decoded) -> int:
 def logs_store(*, team: Team, decoded: Decoded) -> int:
     if not decoded.rows:
         return 0
-    values = sorted({v for v in secret_svc.team_values(team_id=team.id) if v}, key=len, reverse=True)
+    values = _mask_values(team.id)
     mask = _masker(values) if values else (lambda x: x)
     TraceLog.objects.bulk_create([TraceLog(team=team, **mask(row)) for row in decoded.rows], batch_size=500)
     return len(decoded.rows)

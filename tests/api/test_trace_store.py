@@ -189,6 +189,40 @@ def test_secrets_are_masked_in_a_shared_resource_and_in_text_columns_and_long_va
     assert TraceSpan.objects.get(team=team, name="scoped").scope == {"name": "lib ***", "version": "1"}
 
 
+@pytest.mark.django_db(transaction=True)
+def test_a_secret_that_is_part_of_an_id_masks_the_text_never_the_ids_and_bounded_columns_stay_bounded():
+    """A secret whose value is hex digits found in a trace's, span's or link's ids (or a short one
+    found everywhere) must not change the ids: the batch would not be stored at all."""
+    from runtime.services import secrets as secret_svc
+
+    team = Team.objects.create(name="hexy")
+    trace_id, span_id = "ab12" * 8, "cd34" * 4
+    secret_svc.secret_create(team=team, name="HEX", value="ab12")  # in the trace id, 8 times
+    secret_svc.secret_create(team=team, name="SHORT", value="e")  # under MASK_MIN_CHARS: left alone
+    row = _row(trace_id, "x" * 250 + "ab12", "ef56" * 4, said="key ab12")
+    row["span_id"], row["service"], row["sandbox_id"] = span_id, "s" * 253 + "ab12", "sbab12"
+    row["links"] = [{"trace_id": trace_id, "span_id": span_id, "attributes": {"why": "ab12"}}]
+    traces.spans_store(team=team, decoded=otlp.Decoded(rows=[row]))
+    got = TraceSpan.objects.get(team=team)
+    assert (got.trace_id, got.span_id, got.parent_span_id, got.sandbox_id) == (
+        trace_id,
+        span_id,
+        "ef56" * 4,
+        "sbab12",
+    )
+    assert got.attributes == {"said": "key ***"} and got.links[0] == {
+        "trace_id": trace_id, "span_id": span_id, "attributes": {"why": "***"}}  # fmt: skip
+    assert got.name == ("x" * 250 + "***")[:255] and len(got.service) == 255
+    assert Trace.objects.get(team=team, trace_id=trace_id).span_count == 1
+    log = {"trace_id": trace_id, "span_id": span_id, "time_ns": time.time_ns(), "severity_number": 9,
+           "severity_text": "ab12" * 8, "body": "the key is ab12", "attributes": {}, "resource": {},
+           "service": "agent", "sandbox_id": "", "run_id": "", "harness_id": ""}  # fmt: skip
+    traces.logs_store(team=team, decoded=otlp.Decoded(rows=[log]))
+    stored = TraceLog.objects.get(team=team)
+    assert (stored.trace_id, stored.span_id, stored.body) == (trace_id, span_id, "the key is ***")
+    assert stored.severity_text == ("***" * 8)[:32]
+
+
 def test_a_nan_or_infinite_double_decodes_as_text():
     req = ExportTraceServiceRequest()
     span = req.resource_spans.add().scope_spans.add().spans.add()

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from runtime.launchers.base import Launcher
+from runtime.launchers.base import ExecRequest, Launcher, ProcessRequest
 from runtime.launchers.registry import launcher_class, launcher_names, new_launcher
 
 
@@ -54,3 +54,19 @@ def wait_until_true(check: Callable[[], object], timeout: float) -> None:
     while not check():
         assert time.monotonic() < deadline, "timed out"
         time.sleep(0.05)
+
+
+@contextlib.contextmanager
+def listener(launcher: Launcher, handle: Any, address: str, port: int, reply: str = "hi") -> Iterator[None]:
+    """A server on ``port`` in the sandbox for as long as the block runs (an exec's leftover
+    processes end with it: this is a process of its own), answering ``reply`` to whoever
+    connects; it has answered on ``address``, the sandbox's own, before the block starts, so a
+    connection refused from elsewhere is the network's doing, not a server that never ran."""
+    proc = launcher.open_process(handle, ProcessRequest(argv=["nc", "-ll", "-p", str(port), "-e", "echo", reply],
+                                                        stdin=False))  # fmt: skip
+    try:
+        probe = ExecRequest(argv=["sh", "-c", f"nc -w 2 {address} {port} </dev/null"], timeout=20)
+        wait_until_true(lambda: reply.encode() in launcher.exec(handle, probe).stdout, 20)
+        yield
+    finally:
+        proc.close()

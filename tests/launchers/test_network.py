@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from runtime.launchers.base import ExecRequest, Launcher, LauncherError, SandboxSpec
-from tests.launchers.helpers import make_launcher, remove_all, usable_launchers
+from tests.launchers.helpers import listener, make_launcher, remove_all, usable_launchers
 from tests.support import WORLD_A as A
 from tests.support import WORLD_B as B
 from tests.support import WORLD_GW, requires_runsc
@@ -126,16 +126,20 @@ def test_the_host_and_other_sandboxes_are_out_of_reach_whatever_the_policy(launc
     lease, other_lease = launcher.network.lease_of(h["id"]), launcher.network.lease_of(other["id"])
     assert fetch(launcher, h, f"http://{A}:8080/") == "server-a\n"  # the internet: yes
     # Its gateway (the host), the host's address toward the world, and the other sandbox: no.
-    launcher.exec(other, ExecRequest(argv=["sh", "-c", "nc -ll -p 9000 -e echo hi &"]))
-    for addr, p in ((lease.host_ip, port), (WORLD_GW, port), (other_lease.sandbox_ip, 9000)):
-        r = launcher.exec(h, ExecRequest(argv=["sh", "-c", f"echo x | timeout 2 nc {addr} {p}"], timeout=20))
-        assert r.exit_code != 0 and b"hi" not in r.stdout, (addr, r)
-    # Listing them changes nothing: they are denied before any policy.
-    launcher.set_network(h, {"egress": "allowlist", "allow": [
-        f"{lease.host_ip}:{port}", f"{WORLD_GW}:{port}", f"{other_lease.sandbox_ip}:9000"]})  # fmt: skip
-    for addr, p in ((lease.host_ip, port), (WORLD_GW, port), (other_lease.sandbox_ip, 9000)):
-        r = launcher.exec(h, ExecRequest(argv=["sh", "-c", f"echo x | timeout 2 nc {addr} {p}"], timeout=20))
-        assert r.exit_code != 0 and b"hi" not in r.stdout, (addr, r)
+    with listener(launcher, other, other_lease.sandbox_ip, 9000):  # it answers on its own address
+        for addr, p in ((lease.host_ip, port), (WORLD_GW, port), (other_lease.sandbox_ip, 9000)):
+            r = launcher.exec(
+                h, ExecRequest(argv=["sh", "-c", f"echo x | timeout 2 nc {addr} {p}"], timeout=20)
+            )
+            assert r.exit_code != 0 and b"hi" not in r.stdout, (addr, r)
+        # Listing them changes nothing: they are denied before any policy.
+        launcher.set_network(h, {"egress": "allowlist", "allow": [
+            f"{lease.host_ip}:{port}", f"{WORLD_GW}:{port}", f"{other_lease.sandbox_ip}:9000"]})  # fmt: skip
+        for addr, p in ((lease.host_ip, port), (WORLD_GW, port), (other_lease.sandbox_ip, 9000)):
+            r = launcher.exec(
+                h, ExecRequest(argv=["sh", "-c", f"echo x | timeout 2 nc {addr} {p}"], timeout=20)
+            )
+            assert r.exit_code != 0 and b"hi" not in r.stdout, (addr, r)
     assert not accepted
     # Link-local (cloud metadata) is refused too, allowlisted or not: judged by the rules'
     # order, never by contacting a real metadata address.

@@ -7,6 +7,7 @@ machine's disk."""
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 import os
 import shutil
 import signal
@@ -97,6 +98,13 @@ class Stack:
             HANGAR_NODE_TICK_S="2", HANGAR_REAP_TICK_S="2", HANGAR_NODE_MIN_FREE_DISK_MB="64",
         )  # fmt: skip
         return env
+
+    def address_pool(self, runtime: str = "gvisor") -> ipaddress.IPv4Network:
+        """The sandbox address pool this stack's node chose on its own (hostnames.address_pool
+        keeps it in the runtime's state)."""
+        return ipaddress.IPv4Network(
+            (self.data / "runtime" / runtime / "network" / "pool").read_text().strip()
+        )
 
     def cli(self, *argv: str) -> str:
         out = subprocess.run([sys.executable, "-m", "dashboard.cli", *argv], cwd=ROOT, env=self.env,
@@ -270,7 +278,7 @@ def host_resources() -> dict[str, str]:
     )  # fmt: skip
     cgroups = "\n".join(str(p) for p in Path("/sys/fs/cgroup").glob("**/sb*") if p.is_dir())
     return {
-        "processes": run("ps", "-eo", "args"),
+        "processes": run("ps", "-ww", "-eo", "args"),  # -ww: whole lines, never cut at 80
         "mounts": Path("/proc/self/mountinfo").read_text(),
         "loop devices": loops,
         "network namespaces": run("ip", "netns", "list"),

@@ -88,14 +88,21 @@ def test_node_selector_pins_a_node_and_one_no_node_matches_is_refused_with_the_r
     assert node_pick(runtime="gvisor", cpu=1, memory_mb=512, image=image, node_selector={"zone": "a"}) == a
     assert node_pick(runtime="gvisor", cpu=1, memory_mb=512, image=image,
                      node_selector={"zone": "a", "disk": "ssd"}) == a  # fmt: skip
-    with pytest.raises(NoCapacity, match="^no node: 2 lack label zone=c$") as exc:
+    # Labels no node of the fleet carries: the request must change (422), waiting would not help.
+    with pytest.raises(InvalidValue, match=r"^node_selector: no node carries the labels zone=c "
+                       r"\(no node: 2 lack label zone=c\)$") as exc:  # fmt: skip
         node_pick(runtime="gvisor", cpu=1, memory_mb=512, image=image, node_selector={"zone": "c"})
-    assert exc.value.status_code == 503
+    assert exc.value.status_code == 422
     # All must match: a has zone=a but not disk=hdd.
-    with pytest.raises(NoCapacity, match="^no node: 1 lack label disk=hdd, 1 lack label zone=a$"):
+    with pytest.raises(InvalidValue, match=r"\(no node: 1 lack label disk=hdd, 1 lack label zone=a\)$"):
         node_pick(
             runtime="gvisor", cpu=1, memory_mb=512, image=image, node_selector={"zone": "a", "disk": "hdd"}
         )
+    # The node that carries them cannot take it now (cordoned): a 503, as for any full fleet.
+    Node.objects.filter(id=a.id).update(state=Node.State.CORDONED)
+    with pytest.raises(NoCapacity, match="^no node: 1 cordoned, 1 lack label zone=a$") as exc:
+        node_pick(runtime="gvisor", cpu=1, memory_mb=512, image=image, node_selector={"zone": "a"})
+    assert exc.value.status_code == 503
 
 
 def test_a_refusal_counts_each_nodes_reason_in_one_line(team):
@@ -220,7 +227,7 @@ def test_a_bad_node_selector_is_a_422_that_says_why(team_token, selector, says):
     assert not Sandbox.objects.exists()
 
 
-def test_node_selector_on_create_is_stored_used_and_echoed_and_an_unmatched_one_is_503(team_token):
+def test_node_selector_on_create_is_stored_used_and_echoed_and_an_unmatched_one_is_422(team_token):
     a = _node("a", labels={"zone": "a"})
     b = _node("b", memory_mb=65536, labels={"zone": "b"})
     _image(a, b, name="busybox")
@@ -230,5 +237,6 @@ def test_node_selector_on_create_is_stored_used_and_echoed_and_an_unmatched_one_
     assert body["node"] == "a" and body["node_selector"] == {"zone": "a"}
     assert Sandbox.objects.get(id=body["id"]).node_selector == {"zone": "a"}
     status, body = _post(team_token, {"image": "busybox", "node_selector": {"zone": "c"}, "wait": False})
-    assert status == 503 and body["detail"] == "no node: 2 lack label zone=c", body
+    assert status == 422, body
+    assert body["detail"] == "node_selector: no node carries the labels zone=c (no node: 2 lack label zone=c)"
     assert Sandbox.objects.count() == 1

@@ -19,7 +19,7 @@ from runtime.launchers.base import ExecRequest, SandboxSpec
 from runtime.launchers.gvisor.launcher import GVisorLauncher
 from runtime.launchers.microvm import boot
 from runtime.launchers.microvm.launcher import MicroVMLauncher
-from tests.launchers.helpers import make_launcher, remove_all
+from tests.launchers.helpers import listener, make_launcher, remove_all
 from tests.support import WORLD_A as A
 from tests.support import WORLD_B as B
 from tests.support import requires_runsc
@@ -109,11 +109,11 @@ def test_the_gvisor_launcher_of_the_same_node_never_takes_a_microvms_network_for
         assert fetch(gvisor, gv, f"http://{B}:8080/") == "server-b\n"
         # And neither reaches the other.
         gv_ip = gvisor.network.lease_of(gv_spec.id).sandbox_ip
-        gvisor.exec(gv, ExecRequest(argv=["sh", "-c", "nc -ll -p 9000 -e echo hi &"]))
-        r = microvm.exec(
-            vm, ExecRequest(argv=["sh", "-c", f"echo x | timeout 2 nc {gv_ip} 9000"], timeout=20)
-        )
-        assert r.exit_code != 0 and b"hi" not in r.stdout, r
+        with listener(gvisor, gv, gv_ip, 9000):  # it answers on its own address
+            r = microvm.exec(
+                vm, ExecRequest(argv=["sh", "-c", f"echo x | timeout 2 nc {gv_ip} 9000"], timeout=20)
+            )
+            assert r.exit_code != 0 and b"hi" not in r.stdout, r
     finally:
         microvm.destroy(microvm.handle_for(vm_spec.id))
         gvisor.destroy(gvisor.handle_for(gv_spec.id))
