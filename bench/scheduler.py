@@ -19,6 +19,7 @@ import argparse
 import multiprocessing as mp
 import os
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -115,6 +116,20 @@ def place(count: int, selector: dict[str, str] | None = None) -> int:
     return refused
 
 
+def heartbeats(stop: Any) -> None:
+    """The fleet's heartbeats while it is measured, as its nodes would send them: every
+    ``HANGAR_NODE_HEARTBEAT_S`` each node's row is written (in one statement here; real nodes
+    write one row each). Without them the nodes would count as lost after
+    ``HANGAR_NODE_OFFLINE_AFTER_S`` and placements would be refused."""
+    import psycopg
+
+    every = float(os.environ.get("HANGAR_NODE_HEARTBEAT_S", "5"))
+    with psycopg.connect(os.environ["DATABASE_URL"].replace("postgres://", "postgresql://", 1),
+                         autocommit=True) as conn:  # fmt: skip
+        while not stop.wait(every):
+            conn.execute("UPDATE runtime_node SET heartbeat_at = now()")
+
+
 def _worker(count: int, start: Any, out: Any) -> None:
     from django.db import connections
 
@@ -165,6 +180,9 @@ def main() -> int:
         from django.db import connections
 
         call_command("migrate", verbosity=0)
+        stop = threading.Event()
+        beating = threading.Thread(target=heartbeats, args=(stop,), daemon=True)
+        beating.start()
         for nodes in [int(x) for x in args.nodes.split(",")]:
             for workers in [1] + [int(x) for x in args.workers.split(",")]:
                 make_fleet(nodes, args.live)
@@ -181,6 +199,8 @@ def main() -> int:
                 rows.append(row)
                 print(f"{nodes:>5} nodes, {workers} worker(s): {row['per_s']:>8.1f} placements/s", flush=True)
         connections.close_all()
+        stop.set()
+        beating.join()
     finally:
         recreate(admin_url, name, drop_only=True)
 
