@@ -48,9 +48,10 @@ GROWTH_BOUND = 8 * MiB
 # output goes through the server's channel-layer queue, which must keep draining under the load.
 # Read one message at a time it did not: p95 10.7-11.5 s, worst 11.8 s (the command in flight
 # waited for the whole round); read in batches, p95 2.0-2.7 s, worst 3.7-8.8 s over six rounds
-# (docs/reliability.md, 2026-12-06). The bounds leave room for a busier machine; the p95 is the
-# one the stall breaks.
-ECHO_P95_BOUND_S = 4.0
+# (docs/reliability.md, 2026-12-06), and once 5.85 s in a first round of a full CI run on this
+# 2-core machine. The bounds leave room for a busier machine and stay under what the stall
+# gives; the p95 is the one the stall breaks.
+ECHO_P95_BOUND_S = 8.0
 ECHO_WORST_BOUND_S = 15.0
 LOCUSTFILE = Path(__file__).with_name("load_locustfile.py")
 
