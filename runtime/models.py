@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import secrets
 import string
+from typing import Any
 
 from django.conf import settings
 from django.db import models
@@ -111,6 +112,23 @@ class Node(models.Model):
     heartbeat_at = models.DateTimeField(null=True, blank=True)
     started_at = models.DateTimeField(null=True, blank=True)
     created_at = models.DateTimeField(auto_now_add=True)
+    # What its sandboxes that hold CPU and memory take (placement.ACTIVE), kept by the database
+    # itself: triggers on the sandbox table move them in the transaction that changes a row
+    # (migration 0025), so they are never stale and placement reads them instead of summing.
+    millicpu_allocated = models.IntegerField(default=0, editable=False)
+    memory_mb_allocated = models.IntegerField(default=0, editable=False)
+
+    COUNTERS = ("millicpu_allocated", "memory_mb_allocated")
+
+    def save(self, *args: Any, **kwargs: Any) -> None:
+        # A whole-row save of a loaded node must not write back counters it read earlier.
+        if not self._state.adding and kwargs.get("update_fields") is None:
+            kwargs["update_fields"] = [
+                f.name
+                for f in self._meta.concrete_fields
+                if not f.primary_key and f.name not in self.COUNTERS
+            ]
+        super().save(*args, **kwargs)
 
     @property
     def queue(self) -> str:

@@ -81,7 +81,10 @@ def node_heartbeat(
         if lost is not None:
             back = lost.state_before_lost if lost.state_before_lost in (N.CORDONED, N.DRAINING) else N.READY
             Node.objects.filter(id=lost.id).update(state=back, state_before_lost="")
-            _node_back(lost)
+    if lost is not None:
+        # Once the node's lock is released: a sandbox's row is locked before its node's (the
+        # allocation counters' triggers take them in that order), never after.
+        _node_back(lost)
     return found
 
 
@@ -117,12 +120,20 @@ def nodes_mark_lost() -> list[str]:
     names = []
     for node in Node.objects.filter(state__in=[N.READY, N.CORDONED, N.DRAINING], heartbeat_at__lt=cutoff):
         with transaction.atomic():
+            # Its sandboxes' rows first, then its own: the order the allocation counters'
+            # triggers take them in (a sandbox that ends locks its row, then its node's).
+            held = list(
+                Sandbox.objects.select_for_update()
+                .filter(node=node, status__in=HELD)
+                .order_by("id")
+                .values_list("id", flat=True)
+            )
             if not Node.objects.filter(id=node.id, state=node.state, heartbeat_at__lt=cutoff).update(
                 state=N.LOST, state_before_lost=node.state
             ):
                 continue  # it answered meanwhile, or someone changed it
             reason = f"lost: node {node.name} stopped answering (no heartbeat for {silence:.0f} s)"
-            for sandbox_id in Sandbox.objects.filter(node=node, status__in=HELD).values_list("id", flat=True):
+            for sandbox_id in held:
                 Sandbox.objects.filter(id=sandbox_id).update(status_reason=reason, updated_at=timezone.now())
                 record_event(sandbox_id, "node_lost", reason, node=node.name)
         names.append(node.name)

@@ -7,8 +7,9 @@ move), holds its image, has disk above the floor, and has CPU and memory left un
 overcommit ratios. Among those, ``HANGAR_PLACEMENT=spread`` (the default) takes the one with the
 most free memory (then CPU), ``pack`` the one with the least that still fits.
 
-The choice is made in one SQL query; the reservation is the chosen node's row, locked and
-its room counted again under the lock, so two concurrent placements on the last unit of room
+The choice is made in one SQL query over the node rows (their allocation counters, kept by the
+database, say what their sandboxes take); the reservation is the chosen node's row, locked and
+its counters read again under the lock, so two concurrent placements on the last unit of room
 cannot both succeed. When nothing fits, every node is looked at once more to say why, in one
 line: ``no node: 2 lack kvm, 1 offline, 3 full on memory``.
 """
@@ -27,7 +28,6 @@ from django.db.models import (
     Exists,
     ExpressionWrapper,
     F,
-    FilteredRelation,
     FloatField,
     OuterRef,
     Q,
@@ -36,7 +36,6 @@ from django.db.models import (
     Value,
 )
 from django.db.models.fields.json import KeyTransform
-from django.db.models.functions import Coalesce
 from django.utils import timezone
 
 from ..errors import InvalidValue, NoCapacity
@@ -185,23 +184,19 @@ def _candidates(p: Placement) -> QuerySet[Node]:
         qs = qs.filter(id=p.node_id)
     floor = settings.HANGAR_NODE_MIN_FREE_DISK_MB
     holds_image = Image.nodes.through.objects.filter(image_id=p.image.id, node_id=OuterRef("pk"))
+    # The node's own counters (kept by the database's triggers: migration 0025) say what its
+    # sandboxes take: no join, no sum over the fleet's sandboxes.
     qs = (
         qs.filter(Exists(holds_image))
         .filter(Q(disk_free_mb__isnull=True) | Q(disk_free_mb__gte=floor))
-        # Joined on (node, status): only active sandboxes are read, however many deleted ones
-        # a node has had.
-        .alias(active=FilteredRelation("sandboxes", condition=Q(sandboxes__status__in=ACTIVE)))
-        .annotate(
-            cpu_used=Coalesce(Sum("active__cpu"), Value(0.0)),
-            memory_used=Coalesce(Sum("active__memory_mb"), Value(0)),
-        )
         .alias(
             free_cpu=ExpressionWrapper(
-                F("cpu_capacity") * Value(settings.HANGAR_CPU_OVERCOMMIT) - F("cpu_used"),
+                F("cpu_capacity") * Value(settings.HANGAR_CPU_OVERCOMMIT)
+                - F("millicpu_allocated") / Value(1000.0),
                 output_field=FloatField(),
             ),
             free_mem=ExpressionWrapper(
-                F("memory_mb_capacity") * Value(settings.HANGAR_MEMORY_OVERCOMMIT) - F("memory_used"),
+                F("memory_mb_capacity") * Value(settings.HANGAR_MEMORY_OVERCOMMIT) - F("memory_mb_allocated"),
                 output_field=FloatField(),
             ),
         )
@@ -217,15 +212,18 @@ def _reserve(node: Node, p: Placement, *, wait: bool) -> bool | None:
     stays until the caller's transaction ends), False (it no longer fits: released), None (another
     placement holds it and ``wait`` is False)."""
     sid = transaction.savepoint()
-    locked = Node.objects.select_for_update(skip_locked=not wait).filter(id=node.id).values_list("id").first()
+    # The row as locked is its latest committed version: its counters count every placement
+    # on this node that committed before (ours moves them when its sandbox's row is written).
+    locked = (
+        Node.objects.select_for_update(skip_locked=not wait)
+        .filter(id=node.id)
+        .values_list("millicpu_allocated", "memory_mb_allocated")
+        .first()
+    )
     if locked is None:
         transaction.savepoint_rollback(sid)
         return None
-    # A statement after the lock sees every placement on this node that committed before it.
-    used = Sandbox.objects.filter(node_id=node.id, status__in=ACTIVE).aggregate(
-        cpu=Coalesce(Sum("cpu"), Value(0.0)), memory=Coalesce(Sum("memory_mb"), Value(0))
-    )
-    if _short_of(node, p, used["cpu"], used["memory"]):
+    if _short_of(node, p, locked[0] / 1000, locked[1]):
         transaction.savepoint_rollback(sid)  # which releases the row's lock
         return False
     transaction.savepoint_commit(sid)
