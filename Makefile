@@ -6,7 +6,7 @@ PORT ?= 8000
 # The e2b SDK a year older than the one in the test extra, which tests/e2b/test_older_sdk.py runs.
 E2B_OLDER := 2.8.1
 
-.PHONY: up install system-deps test-deps venv test lint bench-tti bench-dashboard bench-pause bench-pools bench-network bench-harness bench-e2b bench-reliability bench-microvm bench-traces bench-scheduler services
+.PHONY: up install system-deps test-deps venv test lint bench-tti bench-dashboard bench-pause bench-pools bench-network bench-harness bench-e2b bench-reliability bench-microvm bench-traces bench-scheduler bench-burst services
 
 up: install
 	$(VENV)/bin/hangar image build busybox
@@ -79,3 +79,6 @@ bench-traces: install
 
 bench-scheduler: install
 	$(PY) bench/scheduler.py
+
+bench-burst: install
+	$(PY) bench/burst.py

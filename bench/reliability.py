@@ -24,7 +24,7 @@ from pathlib import Path
 
 from _common import ROOT, write_results
 
-SUITES = ("escape", "authorization", "bad_input", "faults", "neighbours", "load")
+SUITES = ("escape", "authorization", "bad_input", "faults", "neighbours", "fleet", "load")
 
 
 def main() -> int:

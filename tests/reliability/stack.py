@@ -41,6 +41,8 @@ class Stack:
         self.data = root / "data"
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
         self.token = ""
+        # Every machine of one Hangar sets the same key (docs/fleet.md): joined nodes too.
+        self.secret_key = uuid.uuid4().hex * 2
         # Postgres runs as its own user, who cannot pass pytest's 0700 directories.
         self.pg_root = Path(tempfile.mkdtemp(prefix="hangar-faults-pg-"))
         self.pg_root.chmod(0o755)
@@ -77,13 +79,7 @@ class Stack:
         self._wait(lambda: _ok("redis-cli", "-p", str(self.redis_port), "ping"), "redis")
 
     def mount_data_disk(self) -> None:
-        image = self.root / "data.img"
-        with open(image, "wb") as f:
-            f.truncate(self.disk_mb * 1024 * 1024)
-        _run("mkfs.ext4", "-q", "-F", str(image))
-        self.data.mkdir(exist_ok=True)
-        _run("mount", "-o", "loop", str(image), str(self.data))
-        self.data.chmod(0o700)
+        mount_disk(self.root / "data.img", self.data, self.disk_mb)
 
     # -- Hangar ---------------------------------------------------------------------------------
 
@@ -96,6 +92,7 @@ class Stack:
             REDIS_URL=f"redis://127.0.0.1:{self.redis_port}/0", HANGAR_DATA_DIR=str(self.data),
             HANGAR_NODE_NAME=self.node, HANGAR_PORT=str(self.port), HANGAR_SSH_PORT="0",
             HANGAR_NODE_TICK_S="2", HANGAR_REAP_TICK_S="2", HANGAR_NODE_MIN_FREE_DISK_MB="64",
+            HANGAR_SECRET_KEY=self.secret_key,
         )  # fmt: skip
         return env
 
@@ -254,6 +251,107 @@ class Stack:
         while not check():
             assert time.monotonic() < deadline, f"{what} did not come up"
             time.sleep(0.2)
+
+
+class JoinedNode:
+    """Another node of ``cp``'s Hangar on this machine, as an operator adds one: `hangar node join
+    URL --token T --name N --labels …` with a data dir of its own (a small disk of its own),
+    hence its own runsc root, network pool and sandboxes' disks; run in a process group of its
+    own so a test can SIGKILL the node whole."""
+
+    def __init__(self, root: Path, cp: Stack, name: str, labels: str = "", disk_mb: int = 640) -> None:
+        self.root, self.cp, self.name, self.labels = root, cp, name, labels
+        self.data = root / "data"
+        self.disk_mb = disk_mb
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def env(self) -> dict[str, str]:
+        env = {
+            k: v for k, v in self.cp.env.items() if k not in ("DATABASE_URL", "REDIS_URL", "HANGAR_NODE_NAME")
+        }
+        env.update(HANGAR_DATA_DIR=str(self.data), HANGAR_SANDBOX_GATEWAY_PORT="0")
+        return env
+
+    def join(self, token: str) -> None:
+        """`hangar node join` in the foreground (its own process group), until stopped."""
+        if not self.data.exists():
+            mount_disk(self.root / "data.img", self.data, self.disk_mb)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "dashboard.cli", "node", "join", self.cp.url, "--token", token, "--name", self.name,
+             "--labels", self.labels, "--concurrency", "8"],
+            cwd=ROOT, env=self.env, stdout=self._log(), stderr=subprocess.STDOUT, start_new_session=True,
+            preexec_fn=die_with_parent,
+        )  # fmt: skip
+
+    def run_again(self) -> None:
+        """A bare `hangar node` for the node that joined before (with the settings join gave it)."""
+        settings = {"DATABASE_URL": self.cp.env["DATABASE_URL"], "REDIS_URL": self.cp.env["REDIS_URL"]}
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "dashboard.cli", "node", "--concurrency", "8"],
+            cwd=ROOT, env={**self.env, **settings, "HANGAR_NODE_NAME": self.name}, stdout=self._log(),
+            stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=die_with_parent,
+        )  # fmt: skip
+
+    def children(self) -> list[int]:
+        if self.proc is None or self.proc.poll() is not None:
+            return []
+        out = subprocess.run(["pgrep", "-P", str(self.proc.pid)], capture_output=True, text=True)
+        return [int(p) for p in out.stdout.split()]
+
+    def kill(self) -> list[int]:
+        """SIGKILL the node's process group (its worker and bridge die with it): the pids that were."""
+        assert self.proc is not None
+        pids = [self.proc.pid, *self.children()]
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(30)
+        return pids
+
+    def _log(self):
+        return open(self.root / "node.log", "ab")
+
+    def log(self) -> str:
+        path = self.root / "node.log"
+        return path.read_text(errors="replace")[-4000:] if path.exists() else ""
+
+    def close(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(60)
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+        destroy_leftovers(self.data)
+        subprocess.run(["umount", "-l", str(self.data)], capture_output=True, timeout=60)
+
+
+def mount_disk(image: Path, at: Path, size_mb: int) -> None:
+    """A small ext4 filesystem of its own (a loop device) at ``at``: a test's data dir never
+    fills the machine's disk."""
+    with open(image, "wb") as f:
+        f.truncate(size_mb * 1024 * 1024)
+    _run("mkfs.ext4", "-q", "-F", str(image))
+    at.mkdir(exist_ok=True)
+    _run("mount", "-o", "loop", str(image), str(at))
+    at.chmod(0o700)
+
+
+def destroy_leftovers(data_dir: Path) -> None:
+    """Whatever a node left of its sandboxes on the host (runsc, their disks, networks)."""
+    from runtime.launchers.gvisor.launcher import GVisorLauncher
+
+    state = data_dir / "runtime" / "gvisor"
+    if not state.exists():
+        return
+    launcher = GVisorLauncher(state_dir=state)
+    for sandbox_id in launcher.states():
+        with contextlib.suppress(Exception):
+            launcher.destroy(launcher.handle_for(sandbox_id))
+    with contextlib.suppress(Exception):
+        launcher.release_spares()
+    with contextlib.suppress(Exception):
+        launcher.network.remove_base()
 
 
 def _alive(pid: int) -> bool:

@@ -1,0 +1,205 @@
+"""A fleet on this machine: a control plane (`hangar up` on a Postgres and Redis of its own,
+with its own node) and two more nodes joined to it by join tokens (`hangar node join`), each
+with its own data dir, runsc root and address pool (tests/reliability/stack.py). Sandboxes
+spread across the three; a `node_selector` pins one; a node SIGKILLed whole is `lost` within
+30 s with its sandboxes saying so, and started again re-adopts the sandboxes that survived; a
+drained node takes no new sandbox and is removed once empty; a used or expired join token is
+refused at once."""
+
+from __future__ import annotations
+
+import ipaddress
+import subprocess
+import sys
+import time
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.reliability.stack import ROOT, JoinedNode, Stack
+from tests.support import requires_runsc
+
+pytestmark = [requires_runsc, pytest.mark.slow, pytest.mark.timeout(900)]
+
+LOST_WITHIN_S = 30  # the issue's bound from death to lost
+
+
+class Fleet:
+    def __init__(self, cp: Stack, nodes: dict[str, JoinedNode]) -> None:
+        self.cp, self.nodes = cp, nodes
+
+    def token(self, *extra: str) -> str:
+        return self.cp.cli("node", "token", "create", *extra).strip().splitlines()[-1]
+
+    def states(self, api: httpx.Client) -> dict[str, str]:
+        return {n["name"]: n["state"] for n in api.get("/nodes").json()}
+
+
+def wait(check, within: float, what: str):
+    deadline = time.monotonic() + within
+    last = None
+    while time.monotonic() < deadline:
+        try:
+            if out := check():
+                return out
+        except (httpx.HTTPError, ValueError, KeyError) as exc:
+            last = exc
+        time.sleep(0.5)
+    raise AssertionError(f"{what}: not within {within} s ({last!r})")
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory) -> Iterator[Fleet]:
+    cp = Stack(tmp_path_factory.mktemp("fleet-cp"), disk_mb=640, name="cp")
+    nodes = {
+        name: JoinedNode(
+            tmp_path_factory.mktemp(f"fleet-{name}"), cp, f"{name}-{cp.tag}", labels=f"zone={zone}"
+        )
+        for name, zone in (("n1", "b"), ("n2", "c"))
+    }
+    f = Fleet(cp, nodes)
+    try:
+        cp.mount_data_disk()
+        cp.start_postgres()
+        cp.start_redis()
+        cp.bootstrap()
+        cp.cli("user", "create", "staff", "--password", "pw-staff-123456", "--staff")
+        cp.cli("team", "create", "site", "--owner", "staff")
+        cp.start()
+        for node in nodes.values():
+            node.join(f.token())
+        with cp.api() as api:
+            names = {cp.node, *(n.name for n in nodes.values())}
+            wait(lambda: {k for k, v in f.states(api).items() if v == "ready"} >= names, 180,
+                 "three ready nodes: " + " | ".join(n.log() for n in nodes.values()))  # fmt: skip
+        yield f
+    finally:
+        try:
+            cp.close()  # deletes every sandbox through the API while the nodes still run
+        finally:
+            for node in nodes.values():
+                node.close()
+
+
+def create(api: httpx.Client, **extra) -> dict:
+    r = api.post("/sandboxes", json={"image": "busybox", "memory_mb": 128, "timeout_s": 900, **extra})
+    assert r.status_code == 201, r.text
+    assert r.json()["status"] == "running", r.json()
+    return r.json()
+
+
+def sh(api: httpx.Client, sandbox_id: str, cmd: str) -> dict:
+    r = api.post(f"/sandboxes/{sandbox_id}/exec", json={"cmd": cmd}, timeout=60)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_three_nodes_spread_pin_lose_come_back_drain_and_remove(fleet, report):
+    cp, n1, n2 = fleet.cp, fleet.nodes["n1"], fleet.nodes["n2"]
+    with cp.api() as api:
+        # Spread: six sandboxes over three empty nodes of one machine's size, two each.
+        made = [create(api) for _ in range(6)]
+        assert Counter(sb["node"] for sb in made) == {cp.node: 2, n1.name: 2, n2.name: 2}, made
+        for sb in made:
+            api.put(f"/sandboxes/{sb['id']}/files", params={"path": "/mark"}, content=sb["node"].encode())
+            assert sh(api, sb["id"], "cat /mark")["stdout"] == sb["node"]  # reached on its node
+        # Each node's pool is its own.
+        pools = [ipaddress.IPv4Network((d / "runtime/gvisor/network/pool").read_text().strip())
+                 for d in (cp.data, n1.data, n2.data)]  # fmt: skip
+        assert all(not a.overlaps(b) for i, a in enumerate(pools) for b in pools[i + 1 :]), pools
+
+        # A node_selector pins one: zone=c is n2's label alone.
+        pinned = [create(api, node_selector={"zone": "c"}) for _ in range(2)]
+        assert {sb["node"] for sb in pinned} == {n2.name}
+        r = api.post("/sandboxes", json={"image": "busybox", "node_selector": {"zone": "nowhere"}})
+        assert r.status_code == 422 and "no node carries the labels zone=nowhere" in r.json()["detail"], (
+            r.text
+        )
+
+        # n1 SIGKILLed whole: its worker and bridge die with it, and it is lost within 30 s.
+        on_n1 = [sb["id"] for sb in made if sb["node"] == n1.name]
+        killed_at = time.monotonic()
+        pids = n1.kill()
+        wait(lambda: not any(Path(f"/proc/{p}").exists() for p in pids), 10, "n1's processes gone")
+        wait(lambda: fleet.states(api)[n1.name] == "lost", LOST_WITHIN_S + 5, "n1 lost")
+        lost_s = time.monotonic() - killed_at
+        assert lost_s <= LOST_WITHIN_S + 2, lost_s  # the check's tick rounds up by at most 2 s here
+        for sid in on_n1:
+            got = api.get(f"/sandboxes/{sid}").json()
+            assert got["status_reason"].startswith(f"lost: node {n1.name} "), got
+        # Nothing is placed on a lost node.
+        more = [create(api) for _ in range(2)]
+        assert n1.name not in {sb["node"] for sb in more}
+
+        # n1 again (a bare `hangar node`): ready, its sandboxes re-adopted with their files.
+        back_at = time.monotonic()
+        n1.run_again()
+        wait(lambda: fleet.states(api)[n1.name] == "ready", 120, "n1 ready again: " + n1.log())
+        back_s = time.monotonic() - back_at
+        for sid in on_n1:
+            wait(
+                lambda s=sid: api.get(f"/sandboxes/{s}").json()["status_reason"] == "",
+                30,
+                f"{sid}'s reason gone",
+            )
+            assert api.get(f"/sandboxes/{sid}").json()["status"] == "running"
+            assert sh(api, sid, "cat /mark")["stdout"] == n1.name
+
+        # n2 drained: no new sandbox goes there; it stays draining while its sandboxes run,
+        # refuses removal, and is removed once they are gone.
+        raw = cp.cli("token", "create", "--user", "staff", "--team", "site").strip().splitlines()[-1]
+        with httpx.Client(
+            base_url=f"{cp.url}/api/v1", timeout=60, headers={"Authorization": f"Bearer {raw}"}
+        ) as staff:
+            on_n2 = [
+                sb["id"]
+                for sb in api.get("/sandboxes", params={"limit": 1000}).json()
+                if sb["node"] == n2.name
+            ]
+            assert len(on_n2) >= 4, on_n2  # two spread there, two pinned
+            r = staff.post(f"/nodes/{n2.name}/drain")
+            assert r.status_code == 200, r.text
+            assert r.json()["state"] == "draining" and r.json()["remaining"] == len(on_n2), r.text
+            assert n2.name not in {create(api)["node"] for _ in range(2)}
+            r = api.post("/sandboxes", json={"image": "busybox", "node_selector": {"zone": "c"}})
+            assert r.status_code == 503 and "draining" in r.json()["detail"], r.text
+            r = staff.delete(f"/nodes/{n2.name}")
+            assert r.status_code == 409, r.text
+            for sid in on_n2:
+                api.delete(f"/sandboxes/{sid}")
+            wait(lambda: staff.delete(f"/nodes/{n2.name}").status_code == 200, 90, "n2 removed once empty")
+            assert fleet.states(api)[n2.name] == "removed"
+    report.held(
+        "fleet", "three nodes: spread 2/2/2, node_selector pinned, one SIGKILLed lost and back, one drained and removed",
+        lost_after_s=round(lost_s, 1), back_ready_s=round(back_s, 1),
+    )  # fmt: skip
+
+
+def _join(fleet: Fleet, token: str, name: str) -> subprocess.CompletedProcess[str]:
+    env = {**fleet.nodes["n1"].env, "HANGAR_DATA_DIR": str(fleet.nodes["n1"].root / "never")}
+    return subprocess.run(
+        [sys.executable, "-m", "dashboard.cli", "node", "join", fleet.cp.url, "--token", token, "--name", name],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+
+
+def test_a_used_or_expired_join_token_is_refused_at_once(fleet, report):
+    used = fleet.token()
+    with fleet.cp.api() as api:  # a join through the API uses it up (no node process needed)
+        r = httpx.post(
+            f"{fleet.cp.url}/api/v1/nodes/join", json={"token": used, "name": "once-" + fleet.cp.tag}
+        )
+        assert r.status_code == 200, r.text
+        assert "once-" + fleet.cp.tag in fleet.states(api)
+    started = time.monotonic()
+    out = _join(fleet, used, "twice-" + fleet.cp.tag)
+    assert out.returncode != 0 and "has been used (1 of 1 joins)" in out.stderr, out
+    expiring = fleet.token("--expires-in", "1")
+    time.sleep(2)
+    out = _join(fleet, expiring, "late-" + fleet.cp.tag)
+    assert out.returncode != 0 and "it has expired" in out.stderr, out
+    assert time.monotonic() - started < 60
+    report.held("fleet", "a used and an expired join token refused by hangar node join, which exits non-zero")
