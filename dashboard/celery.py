@@ -1,11 +1,15 @@
 """The Celery app: one control queue, and one queue per node (``node.<name>``)."""
 
 import os
+import time
 
 from celery import Celery
 from celery.signals import worker_ready
 
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "dashboard.settings")
+# When this process started: what a node's rows show changed since then is this worker's own
+# work in progress, not its predecessor's (node_recover leaves it alone).
+STARTED_AT = time.time()
 
 app = Celery("hangar")
 app.config_from_object("django.conf:settings", namespace="CELERY")
@@ -22,4 +26,5 @@ def _recover_node(sender: object = None, **_: object) -> None:
     consumer = getattr(sender, "task_consumer", None)
     served = {q.name for q in getattr(consumer, "queues", None) or []}
     if queue in served:
-        app.send_task("runtime.tasks.node_recover", queue=queue, ignore_result=True)
+        app.send_task("runtime.tasks.node_recover", kwargs={"worker_started_at": STARTED_AT}, queue=queue,
+                      ignore_result=True)  # fmt: skip

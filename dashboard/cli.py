@@ -84,13 +84,23 @@ def _prepare_node(settings: Any, *, build_default_image: bool) -> None:
 
     _private_data_dir(Path(settings.DATA_DIR))
 
+    from runtime.models import Node
+
     tunnel = (
         f"{settings.HANGAR_NODE_ADDRESS}:{settings.HANGAR_TUNNEL_PORT}" if settings.HANGAR_TUNNEL_PORT else ""
     )
-    node_register(
-        name=local_node_name(), launchers=local_capabilities(), cpu=settings.HANGAR_NODE_CPU, memory_mb=node_memory_mb(),
-        version=_version(), tunnel_address=tunnel, disk_free_mb=local_disk_free_mb(),
-    )  # fmt: skip
+
+    def register() -> None:  # its heartbeat: from here on placement may choose it
+        node_register(
+            name=local_node_name(), launchers=local_capabilities(), cpu=settings.HANGAR_NODE_CPU,
+            memory_mb=node_memory_mb(), version=_version(), tunnel_address=tunnel, disk_free_mb=local_disk_free_mb(),
+        )  # fmt: skip
+
+    # A node that has just joined (its row made by the join, never heard from, so never placed
+    # on) first gets its runtimes ready and the default image, then says it is there.
+    joined = Node.objects.filter(name=local_node_name(), heartbeat_at__isnull=True).exists()
+    if not joined:
+        register()
     images = images_sync_local()
     for runtime, launcher in local_launchers().items():
         try:
@@ -100,6 +110,8 @@ def _prepare_node(settings: Any, *, build_default_image: bool) -> None:
     if build_default_image and not images:
         _say("hangar: building the busybox image (first start)…")
         image_build(kind="busybox", progress=lambda line: _say(f"  {line}"))
+    if joined:
+        register()
 
 
 def _private_data_dir(data_dir: Path) -> None:

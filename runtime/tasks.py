@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from datetime import UTC, datetime
 from typing import Any
 
 from celery import Task, shared_task
@@ -109,9 +110,11 @@ def node_reconcile() -> dict[str, list[str]]:
 
 
 @shared_task
-def node_recover() -> dict[str, list[str]]:
-    """Sent by this node's worker to itself once it is ready (dashboard.celery)."""
-    return node_svc.node_recover(node_name=local_node_name())
+def node_recover(worker_started_at: float | None = None) -> dict[str, list[str]]:
+    """Sent by this node's worker to itself once it is ready (dashboard.celery), with when the
+    worker's process started."""
+    since = datetime.fromtimestamp(worker_started_at, tz=UTC) if worker_started_at else None
+    return node_svc.node_recover(node_name=local_node_name(), worker_started_at=since)
 
 
 @shared_task

@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from datetime import timedelta
+from datetime import datetime, timedelta
 from typing import Any
 
+from django.db.models import Q
 from django.utils import timezone
 
 from .. import events
@@ -232,18 +233,24 @@ def node_reconcile(*, node_name: str) -> dict[str, list[str]]:
 RESTARTS = 2
 
 
-def node_recover(*, node_name: str) -> dict[str, list[str]]:
+def node_recover(*, node_name: str, worker_started_at: datetime | None = None) -> dict[str, list[str]]:
     """What this node's worker, just started, owes the sandboxes its predecessor was working on
     when it died (a SIGKILL, an OOM kill, a crash): a start it was in the middle of is undone
     (what the runtime had made of it goes) and tried again, twice at most; the task of every
     other row waiting on this node (provision, suspend, resume, halt, destroy) is sent again,
-    now rather than when the broker would give its message back. One worker consumes a node's
-    queue, so nothing of this node is in progress while this runs. Every task is idempotent."""
+    now rather than when the broker would give its message back. Every task is idempotent.
+
+    One worker consumes a node's queue, but this runs as one of its tasks, beside the others it
+    has already taken: a start that row says began after ``worker_started_at`` (when this
+    worker's process started) is this worker's own, in progress, and is left alone."""
     report: dict[str, list[str]] = {"restarted": [], "failed": [], "resent": []}
     node = Node.objects.filter(name=node_name).first()
     if node is None:
         return report
-    for row in Sandbox.objects.filter(node=node, status=S.STARTING):
+    starting = Sandbox.objects.filter(node=node, status=S.STARTING)
+    if worker_started_at is not None:
+        starting = starting.filter(updated_at__lt=worker_started_at)
+    for row in starting:
         launcher = launcher_for(row.runtime)
         with contextlib.suppress(LauncherError):
             launcher.destroy(handle_of(row, launcher))
@@ -257,7 +264,10 @@ def node_recover(*, node_name: str) -> dict[str, list[str]]:
         elif transition(row.id, to=S.PENDING, frm=[S.STARTING],
                         reason=f"node {node_name}'s worker stopped during its start: starting it again"):  # fmt: skip
             report["restarted"].append(row.id)
-    for row in Sandbox.objects.filter(node=node, status__in=list(WAITING_ON)).select_related("node"):
+    waiting = Sandbox.objects.filter(node=node, status__in=list(WAITING_ON))
+    if worker_started_at is not None:  # a row that changed since has its task on the queue
+        waiting = waiting.filter(Q(updated_at__lt=worker_started_at) | Q(id__in=report["restarted"]))
+    for row in waiting.select_related("node"):
         resend(row)
         report["resent"].append(row.id)
     if any(report.values()):

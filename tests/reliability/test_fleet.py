@@ -30,6 +30,21 @@ LOST_WITHIN_S = 30  # the issue's bound from death to lost
 class Fleet:
     def __init__(self, cp: Stack, nodes: dict[str, JoinedNode]) -> None:
         self.cp, self.nodes = cp, nodes
+        self.staff_token = ""
+
+    def staff(self) -> httpx.Client:
+        return httpx.Client(base_url=f"{self.cp.url}/api/v1", timeout=60,
+                            headers={"Authorization": f"Bearer {self.staff_token}"})  # fmt: skip
+
+    def placeable(self) -> set[str]:
+        """Ready nodes that have said they are there (a joined node does once its runtimes and
+        the default image are ready)."""
+        with self.staff() as staff:
+            return {
+                n["name"]
+                for n in staff.get("/nodes").json()
+                if n["state"] == "ready" and n["last_heartbeat_at"]
+            }
 
     def token(self, *extra: str) -> str:
         return self.cp.cli("node", "token", "create", *extra).strip().splitlines()[-1]
@@ -68,13 +83,15 @@ def fleet(tmp_path_factory) -> Iterator[Fleet]:
         cp.bootstrap()
         cp.cli("user", "create", "staff", "--password", "pw-staff-123456", "--staff")
         cp.cli("team", "create", "site", "--owner", "staff")
+        f.staff_token = (
+            cp.cli("token", "create", "--user", "staff", "--team", "site").strip().splitlines()[-1]
+        )
         cp.start()
         for node in nodes.values():
             node.join(f.token())
-        with cp.api() as api:
-            names = {cp.node, *(n.name for n in nodes.values())}
-            wait(lambda: {k for k, v in f.states(api).items() if v == "ready"} >= names, 180,
-                 "three ready nodes: " + " | ".join(n.log() for n in nodes.values()))  # fmt: skip
+        names = {cp.node, *(n.name for n in nodes.values())}
+        wait(lambda: f.placeable() >= names, 180,
+             "three ready nodes: " + " | ".join(n.log() for n in nodes.values()))  # fmt: skip
         yield f
     finally:
         try:
@@ -101,12 +118,15 @@ def test_three_nodes_spread_pin_lose_come_back_drain_and_remove(fleet, report):
     cp, n1, n2 = fleet.cp, fleet.nodes["n1"], fleet.nodes["n2"]
     with cp.api() as api:
         # Spread: six sandboxes over three empty nodes of one machine's size, two each.
-        made = [create(api) for _ in range(6)]
-        assert Counter(sb["node"] for sb in made) == {cp.node: 2, n1.name: 2, n2.name: 2}, made
+        made = [create(api, network={"egress": "all"}) for _ in range(6)]
+        with fleet.staff() as staff:
+            seen = staff.get("/nodes").json()
+        assert Counter(sb["node"] for sb in made) == {cp.node: 2, n1.name: 2, n2.name: 2}, (
+            [sb["node"] for sb in made], seen)
         for sb in made:
             api.put(f"/sandboxes/{sb['id']}/files", params={"path": "/mark"}, content=sb["node"].encode())
             assert sh(api, sb["id"], "cat /mark")["stdout"] == sb["node"]  # reached on its node
-        # Each node's pool is its own.
+        # Each node's address pool (chosen at its first network) is its own.
         pools = [ipaddress.IPv4Network((d / "runtime/gvisor/network/pool").read_text().strip())
                  for d in (cp.data, n1.data, n2.data)]  # fmt: skip
         assert all(not a.overlaps(b) for i, a in enumerate(pools) for b in pools[i + 1 :]), pools
@@ -150,10 +170,7 @@ def test_three_nodes_spread_pin_lose_come_back_drain_and_remove(fleet, report):
 
         # n2 drained: no new sandbox goes there; it stays draining while its sandboxes run,
         # refuses removal, and is removed once they are gone.
-        raw = cp.cli("token", "create", "--user", "staff", "--team", "site").strip().splitlines()[-1]
-        with httpx.Client(
-            base_url=f"{cp.url}/api/v1", timeout=60, headers={"Authorization": f"Bearer {raw}"}
-        ) as staff:
+        with fleet.staff() as staff:
             on_n2 = [
                 sb["id"]
                 for sb in api.get("/sandboxes", params={"limit": 1000}).json()

@@ -174,6 +174,33 @@ def test_a_start_its_worker_died_in_is_undone_and_started_again_twice_at_most(
     wait_until(lambda: sb.id not in launcher.states(), 30, what="the runtime gone")
 
 
+def test_a_start_that_began_after_the_worker_started_is_its_own_and_left_alone(local_node, team, monkeypatch):
+    """node_recover runs as one of the new worker's tasks, beside a start it has already taken
+    (a sandbox placed on the node while its worker was starting): that start is not undone."""
+    sent: list[str] = []
+    monkeypatch.setattr(node_svc, "resend", lambda row: sent.append(row.id))
+    mine = Sandbox.objects.create(
+        team=team, image="x", image_digest="sha256:x", node=local_node, status=S.STARTING
+    )
+    queued = Sandbox.objects.create(
+        team=team, image="x", image_digest="sha256:x", node=local_node, status=S.PENDING
+    )
+    report = node_svc.node_recover(
+        node_name=local_node.name, worker_started_at=timezone.now() - timedelta(seconds=5)
+    )
+    assert report == {"restarted": [], "failed": [], "resent": []} and not sent
+    assert Sandbox.objects.get(id=mine.id).status == S.STARTING
+    # The same rows as the predecessor left them (changed before this worker started): taken back.
+    Sandbox.objects.filter(id__in=[mine.id, queued.id]).update(
+        updated_at=timezone.now() - timedelta(seconds=60)
+    )
+    report = node_svc.node_recover(
+        node_name=local_node.name, worker_started_at=timezone.now() - timedelta(seconds=5)
+    )
+    assert report["restarted"] == [mine.id] and sorted(report["resent"]) == sorted([mine.id, queued.id])
+    assert Sandbox.objects.get(id=mine.id).status == S.PENDING
+
+
 def test_a_lost_stop_is_sent_again_as_a_stop_and_a_lost_delete_as_a_delete(transactional_db, team):
     stopped = Sandbox.objects.create(team=team, image="x", image_digest="sha256:x", status=S.RUNNING)
     deleted = Sandbox.objects.create(team=team, image="x", image_digest="sha256:x", status=S.RUNNING)
