@@ -175,7 +175,7 @@ class Stack:
                     os.killpg(pid, signal.SIGKILL)
         for pid in pids:
             if pid is not None:
-                self._wait(lambda p=pid: not _alive(p), f"process {pid}'s exit", timeout=30)
+                self._wait(lambda p=pid: not alive(p), f"process {pid}'s exit", timeout=30)
 
     def restarted(self, name: str, old: int, timeout: float = 60) -> int:
         """Wait until `hangar up` has started ``name`` again (another pid than ``old``)."""
@@ -294,15 +294,24 @@ class JoinedNode:
         )  # fmt: skip
 
     def children(self) -> list[int]:
+        """The node's worker and bridge (not the sandboxes' runsc processes, which the node, a
+        subreaper, adopts when their starter exits: they outlive it)."""
         if self.proc is None or self.proc.poll() is not None:
             return []
         out = subprocess.run(["pgrep", "-P", str(self.proc.pid)], capture_output=True, text=True)
-        return [int(p) for p in out.stdout.split()]
+        pids = []
+        for pid in map(int, out.stdout.split()):
+            with contextlib.suppress(OSError):
+                argv = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+                if "celery -A dashboard worker" in argv or "dashboard.cli bridge" in argv:
+                    pids.append(pid)
+        return pids
 
     def kill(self) -> list[int]:
         """SIGKILL the node's process group (its worker and bridge die with it): the pids that were."""
         assert self.proc is not None
         pids = [self.proc.pid, *self.children()]
+        assert len(pids) == 3, pids
         with contextlib.suppress(ProcessLookupError):
             os.killpg(self.proc.pid, signal.SIGKILL)
         self.proc.wait(30)
@@ -354,7 +363,8 @@ def destroy_leftovers(data_dir: Path) -> None:
         launcher.network.remove_base()
 
 
-def _alive(pid: int) -> bool:
+def alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie, dead and not yet reaped, does not)."""
     try:
         return Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0] != "Z"
     except (OSError, IndexError):

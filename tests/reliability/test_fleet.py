@@ -14,12 +14,11 @@ import sys
 import time
 from collections import Counter
 from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import pytest
 
-from tests.reliability.stack import ROOT, JoinedNode, Stack
+from tests.reliability.stack import ROOT, JoinedNode, Stack, alive
 from tests.support import requires_runsc
 
 pytestmark = [requires_runsc, pytest.mark.slow, pytest.mark.timeout(900)]
@@ -122,7 +121,9 @@ def test_three_nodes_spread_pin_lose_come_back_drain_and_remove(fleet, report):
         with fleet.staff() as staff:
             seen = staff.get("/nodes").json()
         assert Counter(sb["node"] for sb in made) == {cp.node: 2, n1.name: 2, n2.name: 2}, (
-            [sb["node"] for sb in made], seen)
+            [sb["node"] for sb in made],
+            seen,
+        )
         for sb in made:
             api.put(f"/sandboxes/{sb['id']}/files", params={"path": "/mark"}, content=sb["node"].encode())
             assert sh(api, sb["id"], "cat /mark")["stdout"] == sb["node"]  # reached on its node
@@ -143,7 +144,7 @@ def test_three_nodes_spread_pin_lose_come_back_drain_and_remove(fleet, report):
         on_n1 = [sb["id"] for sb in made if sb["node"] == n1.name]
         killed_at = time.monotonic()
         pids = n1.kill()
-        wait(lambda: not any(Path(f"/proc/{p}").exists() for p in pids), 10, "n1's processes gone")
+        wait(lambda: not any(alive(p) for p in pids), 10, "n1's node, worker and bridge gone")
         wait(lambda: fleet.states(api)[n1.name] == "lost", LOST_WITHIN_S + 5, "n1 lost")
         lost_s = time.monotonic() - killed_at
         assert lost_s <= LOST_WITHIN_S + 2, lost_s  # the check's tick rounds up by at most 2 s here
