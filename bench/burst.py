@@ -142,8 +142,11 @@ def main() -> int:
     try:
         url, token = args.url, args.token
         if not url:
-            # n sandboxes of a quarter CPU on this node: let the scheduler overcommit that far.
-            hangar = start_hangar(work / "data", args.port, extra_env={"HANGAR_CPU_OVERCOMMIT": "64"})
+            # n sandboxes of a quarter CPU on this node: let the scheduler overcommit that far,
+            # and the team's quota and its blocking execs in flight on this server take n.
+            burst_env = {"HANGAR_CPU_OVERCOMMIT": "64", "HANGAR_QUOTA_SANDBOXES": str(2 * args.n),
+                         "HANGAR_EXEC_BLOCKING_PER_TEAM": str(args.n)}  # fmt: skip
+            hangar = start_hangar(work / "data", args.port, extra_env=burst_env)
             token, url = hangar.token, hangar.url
         with client(url, token) as api:  # warm-up: first-use costs (agent build, caches) are not the burst's
             warm: list[str] = []
