@@ -46,7 +46,12 @@ def cmd_drain(args: argparse.Namespace) -> int:
 
     done = fleet.node_drain(name=args.name)
     print(f"node {done['node']}: {done['state']}; {len(done['replaced'])} warm-pool member(s) replaced elsewhere, "
-          f"{len(done['kept'])} kept (no room elsewhere), {done['remaining']} sandbox(es) left to end")  # fmt: skip
+          f"{len(done['kept'])} kept (no room elsewhere), {len(done['moving'])} paused sandbox(es) moving, "
+          f"{done['remaining']} sandbox(es) left to end or move")  # fmt: skip
+    for sandbox_id, to in done["moving"].items():
+        print(f"  {sandbox_id} moving to {to}")
+    for sandbox_id, why in done["staying"].items():
+        print(f"  {sandbox_id} stays: {why}")
     return 0
 
 

@@ -12,6 +12,7 @@ from django.conf import settings
 
 from .host.volumes import VolumeError
 from .models import Node
+from .node import moves
 from .node import sandboxes as node_svc
 from .node.local import local_capabilities, local_node_name, node_queue
 from .services import harnesses, pools, retention, runs, traces, usage, volumes
@@ -66,6 +67,17 @@ def suspend(sandbox_id: str) -> None:
 @retried(retries=3, delay=2, gives_up="resuming failed", acks_late=True)
 def resume(sandbox_id: str) -> None:
     node_svc.node_sandbox_resume(sandbox_id=sandbox_id)
+
+
+@shared_task(acks_late=True)
+def move_in(sandbox_id: str, from_node: str) -> bool:
+    """Sent to the node a paused sandbox moves to (a drain): it copies the sandbox from ``from_node``."""
+    return moves.node_sandbox_move_in(sandbox_id=sandbox_id, from_node=from_node)
+
+
+@shared_task(acks_late=True)
+def moved_away(sandbox_id: str) -> bool:
+    return moves.node_sandbox_moved_away(sandbox_id=sandbox_id)
 
 
 @shared_task(acks_late=False, ignore_result=False)

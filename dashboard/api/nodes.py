@@ -42,6 +42,11 @@ class DrainOut(Schema):
     state: str
     replaced: list[str] = Field(description="warm-pool members started again elsewhere and deleted here")
     kept: list[str] = Field(description="warm-pool members no other node had room for")
+    moving: dict[str, str] = Field(
+        description="paused sandboxes on their way to another node (id: that node); each gets a moved or "
+        "move_failed event"
+    )
+    staying: dict[str, str] = Field(description="paused sandboxes that cannot move (id: why)")
     remaining: int = Field(description="sandboxes still there: the node stays draining until they end")
 
 

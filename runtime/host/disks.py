@@ -32,6 +32,7 @@ import os
 import shutil
 import struct
 import threading
+import time
 import uuid
 from pathlib import Path
 
@@ -232,6 +233,21 @@ def remove(dest: Path) -> None:
         if os.path.ismount(dest / MOUNT):
             _libc.umount2(str(dest / MOUNT).encode(), MNT_DETACH)
         shutil.rmtree(dest, ignore_errors=True)
+
+
+def unmount(dest: Path) -> None:
+    """Unmount the disk at ``dest`` now, its writes in its file when this returns (a copy of the
+    file is then the whole filesystem); :func:`mount` mounts it again."""
+    target = dest / MOUNT
+    for _ in range(50):
+        if not os.path.ismount(target):
+            return
+        if _libc.umount2(str(target).encode(), 0) == 0:
+            return
+        if ctypes.get_errno() != errno.EBUSY:
+            break
+        time.sleep(0.05)  # the gofer of a sandbox that just exited may hold it for a moment
+    raise LauncherError(f"the sandbox's disk at {dest} could not be unmounted: it is in use")
 
 
 def usage(dest: Path) -> tuple[int, int]:

@@ -10,6 +10,7 @@ Nothing here imports Django: a node can run and test launchers with no database.
 from __future__ import annotations
 
 import abc
+import contextlib
 import socket
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -191,13 +192,14 @@ class Capabilities:
     kvm: bool = False  # hardware virtualisation under the sandbox
     gpu: bool = False  # a GPU passed through
     vm: bool = False  # each sandbox a VM with a kernel of its own (``kvm`` then says how it runs)
+    move: bool = False  # a paused sandbox can move to another node (paused_files, adopt: a drain)
     # The most a command's argv, environment and cwd may come to, counted by command_bytes()
     # (None: no limit of the runtime's own). An agent-based launcher's is the agent's frame.
     max_command_bytes: int | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return {"network": self.network, "checkpoint": self.checkpoint, "kvm": self.kvm, "gpu": self.gpu,
-                "vm": self.vm, "max_command_bytes": self.max_command_bytes}  # fmt: skip
+                "vm": self.vm, "move": self.move, "max_command_bytes": self.max_command_bytes}  # fmt: skip
 
 
 # Room in a command's request for what is not the command itself (a timeout, a terminal's
@@ -308,6 +310,25 @@ class Launcher(abc.ABC):
         """Continue a sandbox saved by :meth:`checkpoint`. If it raises, the saved state is
         discarded, and :meth:`create` starts the sandbox afresh over its kept files."""
         raise LauncherError(f"the {self.name} runtime cannot restore a sandbox")
+
+    def paused_files(self, sandbox_id: str) -> contextlib.AbstractContextManager[list[tuple[str, Path]]]:
+        """While the context lasts, the files that make the paused sandbox ``sandbox_id`` (its
+        checkpoint, its disk), each as (its name relative to the sandbox, where it is here),
+        whole and still: for another node to copy (:mod:`runtime.node.moves`). The sandbox stays
+        here, paused, and can resume here. Raises :class:`LauncherError` when it cannot move
+        (it runs, or the runtime cannot move sandboxes)."""
+        raise LauncherError(f"the {self.name} runtime cannot move a sandbox to another node")
+
+    def incoming_dir(self, sandbox_id: str) -> Path:
+        """Where a paused sandbox's files copied from another node go, under the names
+        :meth:`paused_files` gave them; nothing here treats them as a sandbox until
+        :meth:`adopt` (reconciliation does not see them)."""
+        raise LauncherError(f"the {self.name} runtime cannot move a sandbox to another node")
+
+    def adopt(self, sandbox_id: str) -> None:
+        """Make the files in :meth:`incoming_dir` the paused sandbox ``sandbox_id`` of this node,
+        which :meth:`restore` (or :meth:`create`, over its files) continues. Idempotent."""
+        raise LauncherError(f"the {self.name} runtime cannot move a sandbox to another node")
 
     def set_network(self, handle: Handle, policy: dict[str, Any]) -> None:
         """Put a new egress policy in force for a running sandbox that has a network, at once

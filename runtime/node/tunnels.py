@@ -9,7 +9,8 @@ Hangar shares (valid for 30 s); the node checks it, checks that the sandbox runs
 opens its launcher's tunnel to the port (:meth:`Launcher.open_tunnel`) and answers ``OK`` (or
 ``ERR <reason>``, ``REFUSED <reason>`` when nothing listens there), after which the connection
 carries the raw bytes both ways. Only sandbox ports are reachable this way, and only with a
-signature: keep the port on the machines' private network all the same.
+signature: keep the port on the machines' private network all the same. The same port serves
+another node copying a paused sandbox that moves there (:mod:`.moves`).
 """
 
 from __future__ import annotations
@@ -120,6 +121,15 @@ async def _handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, no
         line = await asyncio.wait_for(reader.readline(), 10)
         if len(line) > LINE_LIMIT:
             raise ValueError("request too long")
+        body = json.loads(line)
+        if isinstance(body, dict) and "move" in body:  # another node copying a paused sandbox
+            from . import moves
+
+            try:
+                await moves.serve(body, writer, node_name)
+            finally:
+                writer.close()
+            return
         sandbox_id, port = check_line(line)
     except (ValueError, KeyError, TypeError, TimeoutError, OSError) as exc:
         log.warning("tunnel from %s refused: %s", writer.get_extra_info("peername"), exc)

@@ -18,12 +18,17 @@ from django.conf import settings
 from django.db import transaction
 from django.db.models import Count, Q, Sum
 from django.utils import timezone
+from kombu.exceptions import OperationalError
 
+from .. import enqueue
 from ..errors import Conflict, Forbidden, InvalidValue, NoCapacity, NotFound, QuotaExceeded
+from ..lifecycle import record_event
 from ..models import Node, NodeJoinToken, Sandbox
 from . import audit
+from .images import image_resolve
 from .nodes import ACTIVE, HELD
-from .sandboxes import sandbox_delete, sandbox_start_member
+from .placement import node_pick
+from .sandboxes import PAUSE_MODE_CHECKPOINT, sandbox_delete, sandbox_start_member
 
 N = Node.State
 S = Sandbox.Status
@@ -70,10 +75,13 @@ def node_uncordon(*, name: str) -> Node:
 
 def node_drain(*, name: str) -> dict[str, Any]:
     """Cordon the node and move off it what can move: its warm pools' unclaimed members are
-    replaced by new ones elsewhere (where another node has room), then deleted here. The rest
-    (claimed sandboxes, paused ones) stays until it ends or reaches its TTL; the node stays
-    ``draining`` and can be removed once nothing is left. Returns what it did."""
+    replaced by new ones elsewhere (where another node has room), then deleted here; its paused
+    sandboxes move, checkpoint and files, to another node (:mod:`runtime.node.moves`: that node
+    copies them, in the background). The rest (running sandboxes, paused ones with nowhere to
+    go) stays until it ends or reaches its TTL; the node stays ``draining`` and can be removed
+    once nothing is left. Returns what it did. Asking again moves what could not move before."""
     node = _move(node_named(name), to=N.DRAINING, frm=[N.READY, N.CORDONED], action="drain")
+    moving, staying = _move_paused(node)
     replaced, kept = [], []
     members = Sandbox.objects.filter(
         node=node, pool__isnull=False, claimed_at__isnull=True, status__in=ACTIVE
@@ -86,8 +94,47 @@ def node_drain(*, name: str) -> dict[str, Any]:
             continue
         sandbox_delete(sandbox=member, reason=f"node {node.name} is draining: replaced on another node")
         replaced.append(member.id)
-    return {"node": node.name, "state": node.state, "replaced": replaced, "kept": kept,
-            "remaining": node_holding(node)}  # fmt: skip
+    return {"node": node.name, "state": node.state, "replaced": replaced, "kept": kept, "moving": moving,
+            "staying": staying, "remaining": node_holding(node)}  # fmt: skip
+
+
+def _move_paused(node: Node) -> tuple[dict[str, str], dict[str, str]]:
+    """Send each paused sandbox of the draining ``node`` to another node that can take it
+    (its runtime moves sandboxes there, checkpoints too if it has one, its image, its
+    ``node_selector``; under the placement policy): ({id: node it moves to}, {id: why it stays})."""
+    moving: dict[str, str] = {}
+    staying: dict[str, str] = {}
+    paused = Sandbox.objects.filter(node=node, status=S.PAUSED).annotate(volumes=Count("volume_mounts"))
+    for sandbox in paused.order_by("created_at"):
+        if sandbox.volumes:
+            staying[sandbox.id] = f"its volumes live on node {node.name}"
+            continue
+        if not node.can(sandbox.runtime, "move"):
+            staying[sandbox.id] = f"the {sandbox.runtime} runtime cannot move a sandbox"
+            continue
+        if not node.tunnel_address:
+            staying[sandbox.id] = (
+                f"node {node.name} takes no connections from other nodes (no HANGAR_TUNNEL_PORT)"
+            )
+            continue
+        needs = ["move"] + (["checkpoint"] if sandbox.paused_mode == PAUSE_MODE_CHECKPOINT else [])
+        try:
+            with transaction.atomic():
+                to = node_pick(runtime=sandbox.runtime, cpu=0.0, memory_mb=0, image=image_resolve(sandbox.image),
+                               needs=needs, node_selector=sandbox.node_selector or None)  # fmt: skip
+                record_event(sandbox.id, "moving", f"node {node.name} is draining: moving to node {to.name}",
+                             node=node.name, to=to.name)  # fmt: skip
+        except (NoCapacity, NotFound, InvalidValue) as exc:
+            staying[sandbox.id] = str(exc)
+            continue
+        try:
+            enqueue.send("move_in", [sandbox.id, node.name], queue=to.queue, retry=True,
+                         retry_policy=enqueue.RETRY_POLICY)  # fmt: skip
+        except OperationalError as exc:
+            staying[sandbox.id] = f"the task queue is unreachable: {exc}"
+            continue
+        moving[sandbox.id] = to.name
+    return moving, staying
 
 
 def node_holding(node: Node) -> int:

@@ -1,6 +1,6 @@
 """The fleet's nodes: states and their transitions, a silent node lost within the threshold
 (its sandboxes told, deletable at once, back when it answers), cordon keeping placements off,
-drain replacing warm-pool members elsewhere, remove refused while anything is there, the
+drain replacing warm-pool members elsewhere and sending paused sandboxes to another node, remove refused while anything is there, the
 API's roles (staff, member, another team), join tokens and the Nodes page."""
 
 from __future__ import annotations
@@ -23,7 +23,9 @@ from runtime.models import (
     Pool,
     Sandbox,
     SandboxEvent,
+    SandboxVolume,
     Team,
+    Volume,
 )
 from runtime.services import auth as auth_svc
 from runtime.services import fleet
@@ -195,6 +197,47 @@ def test_drain_replaces_warm_pool_members_elsewhere_and_leaves_the_rest(fleet_te
         fleet.node_remove(name="drain-a")
     Sandbox.objects.filter(id__in=[member.id, claimed.id]).update(status="deleted")
     assert fleet.node_remove(name="drain-a").state == N.REMOVED
+
+
+def test_drain_sends_its_paused_sandboxes_to_a_node_that_can_take_them_and_says_why_the_rest_stay(
+    fleet_team, monkeypatch
+):
+    team, _ = fleet_team
+    movable = {"gvisor": {**GVISOR["gvisor"], "move": True}}
+    sent: list[tuple[str, list, str]] = []
+    monkeypatch.setattr(fleet.enqueue, "send", lambda task, args, *, queue, **kw: sent.append((task, args, queue)))
+    src = node_register(name="mv-src", launchers=movable, cpu=4, memory_mb=8192, tunnel_address="127.0.0.1:7001")
+    dst = node_register(name="mv-dst", launchers=movable, cpu=4, memory_mb=8192, labels={"zone": "b"})
+    old = node_register(name="mv-old", launchers=GVISOR, cpu=64, memory_mb=65536)  # the most room: cannot move
+    _image(src, dst, old)
+    checkpointed = _sandbox(team, src, "paused", paused_mode="checkpoint", network={"egress": "all"})
+    pinned = _sandbox(team, src, "paused", node_selector={"zone": "a"})
+    volume = Volume.objects.create(team=team, name="v", size_mb=64, node=src)
+    attached = _sandbox(team, src, "paused")
+    SandboxVolume.objects.create(sandbox=attached, volume=volume, mount_path="/data")
+    running = _sandbox(team, src)
+    done = fleet.node_drain(name="mv-src")
+    assert done["moving"] == {checkpointed.id: "mv-dst"}
+    assert sent == [("move_in", [checkpointed.id, "mv-src"], dst.queue)]
+    assert "no node carries the labels zone=a" in done["staying"][pinned.id]
+    assert done["staying"][attached.id] == "its volumes live on node mv-src"
+    assert running.id not in done["moving"] and running.id not in done["staying"]
+    assert done["remaining"] == 4  # until the move is done: the node it goes to copies it
+    event = SandboxEvent.objects.get(sandbox=checkpointed, kind="moving")
+    assert event.message == "node mv-src is draining: moving to node mv-dst"
+    # Asking again sends what is still paused there again (a move that failed is tried again);
+    # with mv-dst cordoned, nothing can take it, and it says so.
+    fleet.node_cordon(name="mv-dst")
+    again = fleet.node_drain(name="mv-src")
+    assert again["moving"] == {} and "lack move" in again["staying"][checkpointed.id], again
+    # A node others cannot reach (no tunnel port) keeps its paused sandboxes, and says why.
+    fleet.node_uncordon(name="mv-dst")
+    closed = node_register(name="mv-closed", launchers=movable, cpu=4, memory_mb=8192)
+    stuck = _sandbox(team, closed, "paused")
+    assert fleet.node_drain(name="mv-closed")["staying"] == {
+        stuck.id: "node mv-closed takes no connections from other nodes (no HANGAR_TUNNEL_PORT)"
+    }
+    assert len(sent) == 1
 
 
 # -- the API ----------------------------------------------------------------------------------

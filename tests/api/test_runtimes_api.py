@@ -22,11 +22,11 @@ pytestmark = [requires_runsc]
 def test_the_node_advertises_each_runtime_with_what_its_sandboxes_can_have(api):
     node = Node.objects.get(name=settings.HANGAR_NODE_NAME)
     assert node.launchers[settings.HANGAR_DEFAULT_RUNTIME] == {
-        "network": True, "checkpoint": True, "kvm": False, "gpu": False, "vm": False,
+        "network": True, "checkpoint": True, "kvm": False, "gpu": False, "vm": False, "move": True,
         "max_command_bytes": 1 << 20,
     }  # fmt: skip
     assert node.launchers[REDUCED] == {
-        "network": False, "checkpoint": False, "kvm": False, "gpu": False, "vm": False,
+        "network": False, "checkpoint": False, "kvm": False, "gpu": False, "vm": False, "move": False,
         "max_command_bytes": 1 << 20,
     }  # fmt: skip
     health = api.get("/health").json()

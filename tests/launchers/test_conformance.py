@@ -616,8 +616,8 @@ def test_a_runtime_gives_a_network_exactly_when_it_says_so(launcher, busybox):
 def test_capabilities_say_what_the_runtime_gives(launcher):
     caps = launcher.capabilities()
     said = caps.as_dict()
-    assert set(said) == {"network", "checkpoint", "kvm", "gpu", "vm", "max_command_bytes"}
-    assert all(isinstance(said[k], bool) for k in ("network", "checkpoint", "kvm", "gpu", "vm"))
+    assert set(said) == {"network", "checkpoint", "kvm", "gpu", "vm", "move", "max_command_bytes"}
+    assert all(isinstance(said[k], bool) for k in ("network", "checkpoint", "kvm", "gpu", "vm", "move"))
     assert said["vm"] is (launcher.name == "microvm")  # a kernel of its own
     assert said["max_command_bytes"] is None or said["max_command_bytes"] > 4096
     assert type(launcher).probe({}) is None  # it runs here: this suite runs only those that do

@@ -37,6 +37,7 @@ class Stack:
         self.node = f"{name}-{self.tag}"
         self.disk_mb = disk_mb
         self.pg_port, self.redis_port, self.port = free_port(), free_port(), free_port()
+        self.tunnel_port = free_port()  # other nodes reach its sandboxes (and copy them) here
         self.url = f"http://127.0.0.1:{self.port}"
         self.data = root / "data"
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
@@ -92,7 +93,8 @@ class Stack:
             REDIS_URL=f"redis://127.0.0.1:{self.redis_port}/0", HANGAR_DATA_DIR=str(self.data),
             HANGAR_NODE_NAME=self.node, HANGAR_PORT=str(self.port), HANGAR_SSH_PORT="0",
             HANGAR_NODE_TICK_S="2", HANGAR_REAP_TICK_S="2", HANGAR_NODE_MIN_FREE_DISK_MB="64",
-            HANGAR_SECRET_KEY=self.secret_key,
+            HANGAR_SECRET_KEY=self.secret_key, HANGAR_TUNNEL_PORT=str(self.tunnel_port),
+            HANGAR_NODE_ADDRESS="127.0.0.1",
         )  # fmt: skip
         return env
 
@@ -263,6 +265,7 @@ class JoinedNode:
         self.root, self.cp, self.name, self.labels = root, cp, name, labels
         self.data = root / "data"
         self.disk_mb = disk_mb
+        self.tunnel_port = free_port()
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -270,7 +273,8 @@ class JoinedNode:
         env = {
             k: v for k, v in self.cp.env.items() if k not in ("DATABASE_URL", "REDIS_URL", "HANGAR_NODE_NAME")
         }
-        env.update(HANGAR_DATA_DIR=str(self.data), HANGAR_SANDBOX_GATEWAY_PORT="0")
+        env.update(HANGAR_DATA_DIR=str(self.data), HANGAR_SANDBOX_GATEWAY_PORT="0",
+                   HANGAR_TUNNEL_PORT=str(self.tunnel_port))  # fmt: skip
         return env
 
     def join(self, token: str) -> None:

@@ -3,7 +3,8 @@ with its own node) and two more nodes joined to it by join tokens (`hangar node 
 with its own data dir, runsc root and address pool (tests/reliability/stack.py). Sandboxes
 spread across the three; a `node_selector` pins one; a node SIGKILLed whole is `lost` within
 30 s with its sandboxes saying so, and started again re-adopts the sandboxes that survived; a
-drained node takes no new sandbox and is removed once empty; a used or expired join token is
+drained node moves its paused sandboxes to the others (a checkpointed one goes on there with
+its processes and memory), takes no new sandbox and is removed once empty; a used or expired join token is
 refused at once."""
 
 from __future__ import annotations
@@ -169,8 +170,10 @@ def test_three_nodes_spread_pin_lose_come_back_drain_and_remove(fleet, report):
             assert api.get(f"/sandboxes/{sid}").json()["status"] == "running"
             assert sh(api, sid, "cat /mark")["stdout"] == n1.name
 
-        # n2 drained: no new sandbox goes there; it stays draining while its sandboxes run,
-        # refuses removal, and is removed once they are gone.
+        # n2 drained: its paused sandboxes move (one checkpointed, with a network: its
+        # processes, memory and files go on elsewhere; one pinned to zone=c has nowhere to go
+        # and stays); no new sandbox goes there; it stays draining while the rest is there,
+        # refuses removal, and is removed once it is gone.
         with fleet.staff() as staff:
             on_n2 = [
                 sb["id"]
@@ -178,9 +181,47 @@ def test_three_nodes_spread_pin_lose_come_back_drain_and_remove(fleet, report):
                 if sb["node"] == n2.name
             ]
             assert len(on_n2) >= 4, on_n2  # two spread there, two pinned
+            mover, stayer = next(sb["id"] for sb in made if sb["node"] == n2.name), pinned[0]["id"]
+            sh(api, mover, "echo in-memory > /dev/shm/mem")
+            r = api.post(f"/sandboxes/{mover}/exec", json={"background": True,
+                         "cmd": "i=0; while :; do i=$((i+1)); echo $i > /dev/shm/count; sleep 0.1; done"})  # fmt: skip
+            assert r.status_code == 202, r.text
+            for sid, mode in ((mover, "checkpoint"), (stayer, "stop")):
+                r = api.post(f"/sandboxes/{sid}/pause", json={"mode": mode}, timeout=120)
+                assert r.status_code == 200 and r.json()["status"] == "paused", r.text
             r = staff.post(f"/nodes/{n2.name}/drain")
             assert r.status_code == 200, r.text
-            assert r.json()["state"] == "draining" and r.json()["remaining"] == len(on_n2), r.text
+            drained = r.json()
+            assert drained["state"] == "draining" and len(on_n2) - 1 <= drained["remaining"] <= len(on_n2), (
+                r.text
+            )
+            assert set(drained["moving"]) == {mover} and drained["moving"][mover] in {cp.node, n1.name}, (
+                r.text
+            )
+            assert "zone=c" in drained["staying"][stayer], r.text
+            moved_at, moved_to = time.monotonic(), drained["moving"][mover]
+            wait(lambda: api.get(f"/sandboxes/{mover}").json()["node"] == moved_to, 90,
+                 f"{mover} moved to {moved_to}: " + n2.log())  # fmt: skip
+            move_s = time.monotonic() - moved_at
+            got = api.get(f"/sandboxes/{mover}").json()
+            assert got["status"] == "paused", got
+            events = [e["kind"] for e in api.get(f"/sandboxes/{mover}/events").json()]
+            assert "moving" in events and "moved" in events, events
+            r = api.post(f"/sandboxes/{mover}/resume", json={}, timeout=120)
+            assert r.status_code == 200 and r.json()["status"] == "running", r.text
+            assert sh(api, mover, "cat /dev/shm/mem /mark")["stdout"] == f"in-memory\n{n2.name}"
+            count = int(sh(api, mover, "cat /dev/shm/count")["stdout"])
+            time.sleep(0.5)
+            assert int(sh(api, mover, "cat /dev/shm/count")["stdout"]) > count  # the same process, going on
+            # Its network is its new node's: an address of that node's pool.
+            data = cp.data if moved_to == cp.node else n1.data
+            pool = ipaddress.IPv4Network((data / "runtime/gvisor/network/pool").read_text().strip())
+            out = sh(api, mover, "ip -4 -o addr show | grep -v ' lo ' | head -1")["stdout"].split()
+            assert ipaddress.IPv4Interface(out[3]).ip in pool, (out, pool)
+            wait(
+                lambda: not (n2.data / "runtime/gvisor/sandboxes" / mover).exists(), 30, "n2 forgot its copy"
+            )
+            on_n2.remove(mover)
             assert n2.name not in {create(api)["node"] for _ in range(2)}
             r = api.post("/sandboxes", json={"image": "busybox", "node_selector": {"zone": "c"}})
             assert r.status_code == 503 and "draining" in r.json()["detail"], r.text
@@ -191,8 +232,9 @@ def test_three_nodes_spread_pin_lose_come_back_drain_and_remove(fleet, report):
             wait(lambda: staff.delete(f"/nodes/{n2.name}").status_code == 200, 90, "n2 removed once empty")
             assert fleet.states(api)[n2.name] == "removed"
     report.held(
-        "fleet", "three nodes: spread 2/2/2, node_selector pinned, one SIGKILLed lost and back, one drained and removed",
-        lost_after_s=round(lost_s, 1), back_ready_s=round(back_s, 1),
+        "fleet", "three nodes: spread 2/2/2, node_selector pinned, one SIGKILLed lost and back, one drained (a paused "
+        "sandbox moved with its processes) and removed",
+        lost_after_s=round(lost_s, 1), back_ready_s=round(back_s, 1), paused_move_s=round(move_s, 1),
     )  # fmt: skip
 
 

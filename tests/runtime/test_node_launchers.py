@@ -26,6 +26,7 @@ REDUCED_CAPS = {
         "kvm": False,
         "gpu": False,
         "vm": False,
+        "move": False,
         "max_command_bytes": 1 << 20,
     }
 }
@@ -120,8 +121,22 @@ def test_the_scheduler_follows_what_each_node_advertises(transactional_db):
     assert node_pick(runtime=REDUCED, cpu=1, memory_mb=256, image=image, needs=["network"]) == both
     runtime_require(runtime=REDUCED, capability="network")
     assert runtimes_offered() == {
-        "gvisor": {"network": True, "checkpoint": True, "kvm": False, "gpu": False, "vm": False},
-        REDUCED: {"network": True, "checkpoint": False, "kvm": False, "gpu": False, "vm": False},
+        "gvisor": {
+            "network": True,
+            "checkpoint": True,
+            "kvm": False,
+            "gpu": False,
+            "vm": False,
+            "move": True,
+        },
+        REDUCED: {
+            "network": True,
+            "checkpoint": False,
+            "kvm": False,
+            "gpu": False,
+            "vm": False,
+            "move": False,
+        },
     }
 
 

@@ -28,10 +28,12 @@ from ...host.network import Lease
 from ..agent.protocol import AgentError, AgentFileError, AgentUnavailable
 from ..base import Handle, LauncherError, SandboxNotRunning, SandboxSpec
 from . import bundle, cgroups
+from .moves import needs_bundle
 from .runsc import wait_exited
 
 if TYPE_CHECKING:
     from ...host.disks import Disks
+    from ...host.hostnames import HostNames
     from ...host.network import Network, Policy
     from ..agent.launcher import AgentBackedLauncher as _Launcher
     from .runsc import Runsc
@@ -51,8 +53,10 @@ class CheckpointMixin(_Launcher):
         cgroup_parents: tuple[str, str]
         disks: Disks
         network: Network
+        names: HostNames
 
         def _dir(self, sandbox_id: str) -> Path: ...
+        def _adopt_locked(self, sandbox_id: str) -> None: ...
         def _socket(self, handle: Handle) -> str: ...
         def _new_handle(self, spec: SandboxSpec) -> Handle: ...
         def _policy(self, spec_network: dict[str, Any] | None) -> Policy: ...
@@ -134,16 +138,25 @@ class CheckpointMixin(_Launcher):
             names: dict[str, list[str]] = {}
             try:
                 if self.runsc.status(spec.id) != "running":
+                    self._adopt_locked(spec.id)  # moved here, and its worker died before adopting it
                     if not (image / "checkpoint.img").exists():
                         raise LauncherError(f"sandbox {spec.id} has no checkpoint to restore")
                     self._release(spec.id, keep_lease=True, unmount=False)  # mounts stay for it
                     bundle.mount_dirs(d, spec, self.disks)
-                    if self.network.lease_of(spec.id) is not None:
-                        # It was saved with a network: gVisor's stack comes back configured with
-                        # the addresses it had, so its namespace is made again with the same
-                        # ones (the lease was kept), under the policy in force now.
-                        policy = self._policy(spec.network)
+                    moved = needs_bundle(d)
+                    policy = self._policy(spec.network)
+                    if self.network.lease_of(spec.id) is not None or (
+                        moved and (policy.enabled or spec.network)
+                    ):
+                        # It was saved with a network: its namespace is made again, with the
+                        # addresses it had here (the lease was kept) or, moved from another
+                        # node, with new ones of this node's pool, which gVisor's stack takes
+                        # on restore; under the policy in force now.
                         lease, names = self.network.setup(spec.id, policy)
+                    if moved:  # its bundle is made here, with this node's paths and network
+                        config = bundle.oci_spec(spec, d, agent_binary=self.agent_binary, ca=self.sandbox_ca,
+                                                 cgroup_parent=self.names.cgroup_parent, lease=lease)  # fmt: skip
+                        bundle.write_private(d / "bundle" / "config.json", json.dumps(config))
                     released = time.monotonic()
                     self.runsc.start(d / "log" / "console.log", "restore", "--detach", "--bundle", str(d / "bundle"),
                                      "--image-path", str(image), spec.id, network=lease is not None)  # fmt: skip

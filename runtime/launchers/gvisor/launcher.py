@@ -35,12 +35,13 @@ from ..base import (
 )
 from . import bundle, cgroups
 from .checkpoint import CheckpointMixin, unlink_socket
+from .moves import MoveMixin
 from .runsc import DEFAULT_PLATFORM, Runsc, default_runsc
 
 
-class GVisorLauncher(CheckpointMixin, NetworkedMixin, AgentBackedLauncher):
+class GVisorLauncher(CheckpointMixin, MoveMixin, NetworkedMixin, AgentBackedLauncher):
     name = "gvisor"
-    CAPABILITIES = Capabilities(network=True, checkpoint=True)
+    CAPABILITIES = Capabilities(network=True, checkpoint=True, move=True)
 
     def __init__(
         self,
@@ -134,6 +135,7 @@ class GVisorLauncher(CheckpointMixin, NetworkedMixin, AgentBackedLauncher):
             if (d / "handle.json").exists() and self._agent_answers(handle):
                 # A duplicated or retried task: the sandbox is already up.
                 return handle
+            self._adopt_locked(spec.id)  # moved here (paused), and its worker died before adopting it
             bundle.mount_dirs(d, spec, self.disks)
             # A checkpoint this sandbox was paused with is of no use once it starts afresh.
             for saved in ("checkpoint", "checkpoint.partial"):
