@@ -205,10 +205,16 @@ def test_drain_sends_its_paused_sandboxes_to_a_node_that_can_take_them_and_says_
     team, _ = fleet_team
     movable = {"gvisor": {**GVISOR["gvisor"], "move": True}}
     sent: list[tuple[str, list, str]] = []
-    monkeypatch.setattr(fleet.enqueue, "send", lambda task, args, *, queue, **kw: sent.append((task, args, queue)))
-    src = node_register(name="mv-src", launchers=movable, cpu=4, memory_mb=8192, tunnel_address="127.0.0.1:7001")
+    monkeypatch.setattr(
+        fleet.enqueue, "send", lambda task, args, *, queue, **kw: sent.append((task, args, queue))
+    )
+    src = node_register(
+        name="mv-src", launchers=movable, cpu=4, memory_mb=8192, tunnel_address="127.0.0.1:7001"
+    )
     dst = node_register(name="mv-dst", launchers=movable, cpu=4, memory_mb=8192, labels={"zone": "b"})
-    old = node_register(name="mv-old", launchers=GVISOR, cpu=64, memory_mb=65536)  # the most room: cannot move
+    old = node_register(
+        name="mv-old", launchers=GVISOR, cpu=64, memory_mb=65536
+    )  # the most room: cannot move
     _image(src, dst, old)
     checkpointed = _sandbox(team, src, "paused", paused_mode="checkpoint", network={"egress": "all"})
     pinned = _sandbox(team, src, "paused", node_selector={"zone": "a"})

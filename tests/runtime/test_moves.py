@@ -23,7 +23,9 @@ pytestmark = [requires_runsc]
 
 @pytest.fixture
 def source(local_node) -> Node:
-    return node_register(name="mv-source", launchers=GVISOR, cpu=2, memory_mb=2048, tunnel_address="127.0.0.1:9")
+    return node_register(
+        name="mv-source", launchers=GVISOR, cpu=2, memory_mb=2048, tunnel_address="127.0.0.1:9"
+    )
 
 
 @pytest.fixture
@@ -67,7 +69,9 @@ def test_the_node_it_moves_to_takes_the_row_adopts_the_copy_and_the_source_is_to
         assert (d / "checkpoint" / "checkpoint.img").read_bytes() == b"state" and (d / "moved-in").exists()
         assert not launcher.incoming_dir(paused.id).exists()
         event = SandboxEvent.objects.get(sandbox=paused, kind="moved")
-        assert event.message.startswith(f"moved from node {source.name} to node {local_node.name}: checkpoint copied")
+        assert event.message.startswith(
+            f"moved from node {source.name} to node {local_node.name}: checkpoint copied"
+        )
         assert sent == [("moved_away", [paused.id], source.queue)]
         # A second delivery of the task finds it here already: nothing happens.
         assert moves.node_sandbox_move_in(sandbox_id=paused.id, from_node=source.name) is False
