@@ -127,7 +127,6 @@ def test_the_scheduler_follows_what_each_node_advertises(transactional_db):
             "kvm": False,
             "gpu": False,
             "vm": False,
-            "move": True,
         },
         REDUCED: {
             "network": True,
