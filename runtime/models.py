@@ -268,6 +268,8 @@ class Pool(models.Model):
     # Members start with a network of their own and nothing let out; a claim puts the
     # caller's egress policy in force (creates with a network claim only from such pools).
     network = models.BooleanField(default=False)
+    # Labels its members' nodes must carry ({"zone": "a"}), as a sandbox's node_selector.
+    node_selector = models.JSONField(default=dict, blank=True)
     size = models.IntegerField(default=1)
     last_error = models.TextField(blank=True)
     created_by = models.ForeignKey(settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL)

@@ -1,7 +1,9 @@
 """/api/v1/pools: warm pools. A `POST /sandboxes` whose image, runtime, cpu, memory_mb and disk_mb match
 a pool of the team (and that attaches no volumes and is not ephemeral) claims a started member
 at once; the pool refills in the background. A create with a network claims from a pool with
-``network: true`` (members with a namespace of their own; the claim sets the policy)."""
+``network: true`` (members with a namespace of their own; the claim sets the policy); one with a
+``node_selector``, a member on a node that carries its labels (a pool's own ``node_selector``
+keeps its members on such nodes)."""
 
 from __future__ import annotations
 
@@ -54,6 +56,12 @@ class PoolIn(StrictIn):
         description="members start with a network of their own (egress none until claimed); creates that "
         "ask for a network claim from such pools",
     )
+    node_selector: dict[str, str] = Field(
+        {},
+        examples=[{"zone": "a"}],
+        description="labels its members' nodes must carry, as a sandbox's node_selector (a 422 when no node "
+        "carries them); a create with a node_selector claims only members on nodes that carry its labels",
+    )
 
 
 class PoolResizeIn(StrictIn):
@@ -68,6 +76,7 @@ class PoolOut(Schema):
     memory_mb: int
     disk_mb: int
     network: bool
+    node_selector: dict[str, str]
     size: int
     ready: int = Field(description="members started and waiting to be claimed")
     starting: int
@@ -79,7 +88,7 @@ def _out(pool: Pool) -> PoolOut:
     fill = pool_svc.pool_fill(pool)
     return PoolOut(
         id=pool.id, image=pool.image, runtime=pool.runtime, cpu=pool.cpu, memory_mb=pool.memory_mb,
-        disk_mb=pool.disk_mb, network=pool.network, size=pool.size, ready=fill["ready"], starting=fill["starting"], last_error=pool.last_error,
+        disk_mb=pool.disk_mb, network=pool.network, node_selector=pool.node_selector or {}, size=pool.size, ready=fill["ready"], starting=fill["starting"], last_error=pool.last_error,
         created_at=pool.created_at,
     )  # fmt: skip
 
@@ -94,7 +103,7 @@ async def create_pool(request: AuthedRequest, payload: PoolIn):
         pool = pool_svc.pool_create(
             team=_team(request), user=request.auth.user, image=payload.image, runtime=payload.runtime,
             cpu=payload.cpu, memory_mb=payload.memory_mb, size=payload.size, network=payload.network,
-            disk_mb=payload.disk_mb,
+            disk_mb=payload.disk_mb, node_selector=payload.node_selector,
         )  # fmt: skip
         return _out(pool)
 

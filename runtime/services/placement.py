@@ -273,15 +273,23 @@ def placement_refusal(p: Placement) -> str:
     return line
 
 
-def _refusal(p: Placement) -> Exception:
-    line = placement_refusal(p)
-    if p.node_selector and not any(
-        all((n.labels if isinstance(n.labels, dict) else {}).get(k) == v for k, v in p.node_selector.items())
+def selector_unmatched(selector: Mapping[str, str]) -> str:
+    """Why no node of the fleet (removed ones aside) could ever take a sandbox with this
+    ``node_selector`` (none carries all its labels), or "" when one could."""
+    if not selector or any(
+        all((n.labels if isinstance(n.labels, dict) else {}).get(k) == v for k, v in selector.items())
         for n in Node.objects.exclude(state=Node.State.REMOVED).only("labels")
     ):
+        return ""
+    wanted = ", ".join(f"{k}={v}" for k, v in sorted(selector.items()))
+    return f"node_selector: no node carries the labels {wanted}"
+
+
+def _refusal(p: Placement) -> Exception:
+    line = placement_refusal(p)
+    if unmatched := selector_unmatched(p.node_selector):
         # Nothing in the fleet carries them: waiting would not help, the request must change.
-        wanted = ", ".join(f"{k}={v}" for k, v in sorted(p.node_selector.items()))
-        return InvalidValue(f"node_selector: no node carries the labels {wanted} ({line})")
+        return InvalidValue(f"{unmatched} ({line})")
     running = list(placeable().filter(launchers__has_key=p.runtime))
     for capability in p.needs:
         if running and capability in CANNOT and not any(n.can(p.runtime, capability) for n in running):

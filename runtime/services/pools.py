@@ -15,6 +15,7 @@ its claim, so nothing leaks between the users of a pool.
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 from collections.abc import Callable
@@ -23,6 +24,7 @@ from typing import Any
 
 from django.conf import settings
 from django.db import transaction
+from django.db.models.fields.json import KeyTransform
 from django.utils import timezone
 from kombu.exceptions import OperationalError
 
@@ -31,9 +33,10 @@ from ..errors import Conflict, InvalidValue, NoCapacity, NotFound, QuotaExceeded
 from ..lifecycle import record_event
 from ..models import Pool, Sandbox, Team
 from . import audit
-from .checks import validate_limits, validate_runtime
+from .checks import validate_limits, validate_node_selector, validate_runtime
 from .images import image_resolve
 from .nodes import runtime_require
+from .placement import selector_unmatched
 from .sandboxes import resolve_disk_mb, sandbox_delete, sandbox_start_member
 
 log = logging.getLogger(__name__)
@@ -73,8 +76,12 @@ def pool_create(
     size: int = 1,
     network: bool = False,
     disk_mb: int | None = None,
+    node_selector: dict[str, str] | None = None,
 ) -> Pool:
     runtime = validate_runtime(runtime or settings.HANGAR_DEFAULT_RUNTIME)
+    selector = validate_node_selector(node_selector)
+    if selector and (unmatched := selector_unmatched(selector)):
+        raise InvalidValue(unmatched)  # members could never start: say so now, not in last_error
     validate_limits(cpu=cpu, memory_mb=memory_mb, timeout_s=60)
     disk_mb = resolve_disk_mb(disk_mb)
     if not isinstance(network, bool):
@@ -86,7 +93,7 @@ def pool_create(
         raise InvalidValue(f"size must be between 1 and {limit}, got {size}")
     image_row = image_resolve(image)
     spec: dict[str, Any] = {"image": image_row.name, "runtime": runtime, "cpu": cpu, "memory_mb": memory_mb, "disk_mb": disk_mb,
-            "network": network}  # fmt: skip
+            "network": network, "node_selector": selector}  # fmt: skip
     same = Pool.objects.filter(team=team, **spec).first()
     if same is not None:
         raise Conflict(f"pool {same.id} already keeps this spec warm; change its size instead", pool=same.id)
@@ -164,25 +171,35 @@ def pool_claim(
     claim: dict[str, Any],
     network: bool = False,
     on_claim: Callable[[str, str], None] | None = None,
+    node_selector: dict[str, str] | None = None,
 ) -> Sandbox | None:
     """A running member of the team's pool for this spec, now the caller's (``claim`` holds the
     fields it takes on: env, metadata, timeout_s, created_by, rules); None if there is none.
     With ``network``, only a pool with networks matches, and the caller puts its policy in
-    force once the claim is committed. The claim, its event and
+    force once the claim is committed. With ``node_selector``, only a member on a node that
+    carries its labels (whatever its pool's own selector). The claim, its event and
     ``on_claim(member_id, pool_id)`` (the caller's audit record) commit together."""
     spec = {"image": image, "runtime": runtime, "cpu": cpu, "memory_mb": memory_mb, "disk_mb": disk_mb}
-    pool = Pool.objects.filter(team=team, network=network, **spec).first()
-    if pool is None:
+    pools = list(Pool.objects.filter(team=team, network=network, **spec).values_list("id", flat=True))
+    if not pools:
+        return None
+    members = Sandbox.objects.filter(pool_id__in=pools, claimed_at__isnull=True, status=S.RUNNING)
+    for i, (key, value) in enumerate(sorted((node_selector or {}).items())):
+        members = members.alias(**{f"label{i}": KeyTransform(key, "node__labels")}).filter(
+            **{f"label{i}": value}
+        )
+    ready = list(members.order_by("created_at").values_list("id", "pool_id", "node_selector")[:5])
+    if not ready:
+        if not node_selector:  # a pool of this spec is empty: it should not be
+            for pool_id in pools:
+                transaction.on_commit(functools.partial(_enqueue_refill, pool_id))
         return None
     now = timezone.now()
-    ready = list(
-        Sandbox.objects.filter(pool=pool, claimed_at__isnull=True, status=S.RUNNING)
-        .order_by("created_at")
-        .values_list("id", flat=True)[:5]
-    )
-    for n, member_id in enumerate(ready):
+    for n, (member_id, pool_id, member_selector) in enumerate(ready):
+        pool = Pool(id=pool_id)
         fields = {**claim, "claimed_at": now, "expires_at": now + timedelta(seconds=claim["timeout_s"]),
-                  "last_activity_at": now, "updated_at": now}  # fmt: skip
+                  "last_activity_at": now, "updated_at": now,
+                  "node_selector": {**(member_selector or {}), **(node_selector or {})}}  # fmt: skip
         with transaction.atomic():
             if not Sandbox.objects.filter(id=member_id, claimed_at__isnull=True, status=S.RUNNING).update(
                 **fields
@@ -200,8 +217,7 @@ def pool_claim(
             refill = threading.Thread(target=_enqueue_refill, args=(pool.id, delay), daemon=True)
             transaction.on_commit(refill.start)
             return Sandbox.objects.select_related("node").get(id=member_id)
-    transaction.on_commit(lambda: _enqueue_refill(pool.id))  # empty: it should not be
-    return None
+    return None  # every one taken meanwhile: their claims refill the pools
 
 
 def _enqueue_refill(pool_id: str, delay: float = 0) -> None:

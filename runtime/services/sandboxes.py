@@ -228,7 +228,7 @@ def sandbox_create(
     usage_svc.budget_check(team, policy)
     image_row = image_resolve(image)
     mounts = volume_svc.resolve_mounts(team=team, mounts=r.volumes or [])
-    if not mounts and not ephemeral and not node_selector:
+    if not mounts and not ephemeral:
         # A warm pool of the team keeps this spec started: take one of its members (one with a
         # network of its own when this asks for egress; the claim sets the policy).
         def claimed_now(member_id: str, pool_id: str | None) -> None:  # in the claim's transaction
@@ -242,7 +242,7 @@ def sandbox_create(
                    "ports": port_list, "auto_resume": auto_resume,
                    "created_by": user if user is not None and user.is_authenticated else None,
                    "created_by_token": created_by_token},
-            network=bool(net), on_claim=None if net else claimed_now,
+            network=bool(net), on_claim=None if net else claimed_now, node_selector=node_selector,
         )  # fmt: skip
         if claimed is not None:
             try:
@@ -368,11 +368,11 @@ def sandbox_start_member(*, pool: Any) -> Sandbox:
         quotas.lock_team(pool.team)
         quotas.check(pool.team, sandboxes=1, vcpu=pool.cpu, memory_mb=pool.memory_mb, disk_mb=pool.disk_mb)
         node = node_pick(runtime=pool.runtime, cpu=pool.cpu, memory_mb=pool.memory_mb, image=image_row,
-                         needs=["network"] if pool.network else [])  # fmt: skip
+                         needs=["network"] if pool.network else [], node_selector=pool.node_selector or None)  # fmt: skip
         sandbox = Sandbox.objects.create(
             team=pool.team, image=image_row.name, image_digest=image_row.digest, runtime=pool.runtime,
             node=node, cpu=pool.cpu, memory_mb=pool.memory_mb, disk_mb=pool.disk_mb, pool=pool, expires_at=None,
-            network={"egress": "none", "allow": []} if pool.network else {},
+            network={"egress": "none", "allow": []} if pool.network else {}, node_selector=pool.node_selector or {},
         )  # fmt: skip
         record_event(sandbox.id, "status", f"warm member of pool {pool.id}, scheduled on node {node.name}",
                      node=node.name, pool=pool.id)  # fmt: skip

@@ -1,13 +1,16 @@
 """Warm pools against real runsc: a matching create claims a started member at once, takes on
-the caller's env (and nothing of anybody else's), and the pool refills."""
+the caller's env (and nothing of anybody else's), and the pool refills; a pool's node_selector
+keeps its members on nodes with its labels, and a create's claims only a member on such a node."""
 
 from __future__ import annotations
 
 import pytest
 
-from runtime.models import Sandbox
+from runtime.models import Node, Pool, Sandbox, Team
+from runtime.services.nodes import node_register
+from runtime.services.pools import pool_claim
 from tests.api.test_sandboxes_api import create
-from tests.support import requires_runsc, wait_until
+from tests.support import GVISOR, requires_runsc, wait_until
 
 pytestmark = [requires_runsc]
 
@@ -54,6 +57,57 @@ def test_a_matching_create_claims_a_warm_member_and_the_pool_refills(api, pool):
     bigger = create(api, memory_mb=256, disk_mb=20480)
     assert bigger["pool"] is None and bigger["disk_mb"] == 20480
     assert sb["disk_mb"] == pool["disk_mb"] == 10240  # the node's default
+
+
+def test_a_pool_with_a_node_selector_keeps_its_members_on_such_nodes_and_serves_creates_that_select_them(
+    api, local_node
+):
+    Node.objects.filter(id=local_node.id).update(labels={"zone": "t", "disk": "ssd"})
+    r = api.post(
+        "/pools", json={"image": "busybox", "memory_mb": 256, "size": 1, "node_selector": {"zone": "nowhere"}}
+    )
+    assert r.status_code == 422 and "no node carries the labels zone=nowhere" in r.json()["detail"], r.text
+    r = api.post(
+        "/pools", json={"image": "busybox", "memory_mb": 256, "size": 1, "node_selector": {"zone": "t"}}
+    )
+    assert r.status_code == 201 and r.json()["node_selector"] == {"zone": "t"}, r.text
+    pool = r.json()
+    try:
+        wait_until(lambda: ready(api, pool["id"]) == 1, 60, what="the pool to fill")
+        member = Sandbox.objects.get(pool_id=pool["id"])
+        assert member.node_id == local_node.id and member.node_selector == {"zone": "t"}
+        # The same spec and labels again: that pool exists (the same spec with other labels would not).
+        r = api.post(
+            "/pools", json={"image": "busybox", "memory_mb": 256, "size": 1, "node_selector": {"zone": "t"}}
+        )
+        assert r.status_code == 409 and pool["id"] in r.json()["detail"]
+        # A create that selects labels its node carries claims it, and keeps both selectors.
+        sb = create(api, memory_mb=256, node_selector={"disk": "ssd"})
+        assert sb["pool"] == pool["id"] and sb["node_selector"] == {"zone": "t", "disk": "ssd"}, sb
+        wait_until(lambda: ready(api, pool["id"]) == 1, 60, what="the refill")
+    finally:
+        api.delete(f"/pools/{pool['id']}")
+        wait_until(lambda: not Sandbox.objects.filter(status__in=["pending", "starting", "stopping"]).exists(), 60,
+                   what="the pool's members to settle")  # fmt: skip
+
+
+def test_a_claim_with_a_node_selector_takes_only_a_member_on_a_node_with_those_labels(transactional_db):
+    team = Team.objects.create(name="claims")
+    a = node_register(name="claim-a", launchers=GVISOR, cpu=4, memory_mb=4096, labels={"zone": "a"})
+    b = node_register(name="claim-b", launchers=GVISOR, cpu=4, memory_mb=4096, labels={"zone": "b"})
+    pool = Pool.objects.create(
+        team=team, image="busybox", runtime="gvisor", cpu=1, memory_mb=256, disk_mb=1024
+    )
+    on_a, on_b = (Sandbox.objects.create(team=team, image="busybox", image_digest="sha256:x", runtime="gvisor",
+                                         node=n, pool=pool, status="running", cpu=1, memory_mb=256, disk_mb=1024)
+                  for n in (a, b))  # fmt: skip
+    spec = {"team": team, "image": "busybox", "runtime": "gvisor", "cpu": 1, "memory_mb": 256, "disk_mb": 1024,
+            "claim": {"timeout_s": 60}}  # fmt: skip
+    assert pool_claim(**spec, node_selector={"zone": "c"}) is None
+    claimed = pool_claim(**spec, node_selector={"zone": "b"})
+    assert claimed is not None and claimed.id == on_b.id and claimed.node_selector == {"zone": "b"}
+    assert pool_claim(**spec, node_selector={"zone": "b"}) is None  # the only one there is taken
+    assert pool_claim(**spec).id == on_a.id  # no selector: any member
 
 
 def test_pools_are_the_teams_own(api, other_api, pool):
