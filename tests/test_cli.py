@@ -146,6 +146,13 @@ def test_hangar_up_runs_stops_cleanly_and_sandboxes_survive_a_restart(tmp_path):
         == "first\n"
     )
     assert (data_dir / "hangar.sqlite3").exists()
+    # Hangar's own spans reach its traces on SQLite too: the server's and the node's of one
+    # create in one trace, whose summary each batch grows (one upsert per batch).
+    listed = lambda: api.get("/traces", params={"sandbox": sid, "limit": 50}).json()  # noqa: E731
+    trace = wait_until(lambda: next((t for t in listed() if t["span_count"] >= 3), None), 30, 0.5,
+                       what="the create's trace with the node's spans in it")  # fmt: skip
+    spans = api.get(f"/traces/{trace['trace_id']}").json()["spans"]
+    assert len(spans) == trace["span_count"] and {"sandbox.create", "sandbox.start"} <= {s["name"] for s in spans}
     # A volume's data and a paused sandbox's files must outlive Hangar's processes too.
     assert api.post("/volumes", json={"name": "keep", "size_mb": 32}).status_code == 201
     vb = api.post("/sandboxes", json={"image": "busybox", "memory_mb": 256,

@@ -108,7 +108,9 @@ def _boot(sandbox_id: str, frm: str, sandbox: Sandbox | None = None) -> None:
         transition(sandbox_id, to=S.FAILED, frm=[frm], reason=str(exc))
         return
     now = timezone.now()
-    fields: dict[str, Any] = {"handle": handle, "started_at": now, "paused_mode": ""}
+    # Started is active: its idle time counts from now (a resumed one's too), and its first
+    # calls need not write that they were.
+    fields: dict[str, Any] = {"handle": handle, "started_at": now, "last_activity_at": now, "paused_mode": ""}
     if frm == S.RESUMING:  # a resumed sandbox gets its time afresh
         fields["expires_at"] = now + timedelta(seconds=sandbox.timeout_s)
     started = transition(sandbox_id, to=S.RUNNING, frm=[frm], fields=fields,

@@ -357,8 +357,8 @@ def _start_sandbox(h: Harness, *, user: Any, image_config: dict[str, Any], repo_
 def harness_setup_enqueue(sandbox: Sandbox) -> None:
     """Called on the node when a harness's sandbox first runs (a receiver of
     ``events.sandbox_started``): prepare its workspace."""
-    if sandbox.node is None:
-        return
+    if sandbox.node is None or "harness" not in (sandbox.metadata or {}):
+        return  # (a harness's sandbox says so in its metadata, which only Hangar writes: no query for the rest)
     hid = Harness.objects.filter(sandbox_id=sandbox.id).values_list("id", flat=True).first()
     if hid is None:
         return

@@ -60,7 +60,9 @@ def traces_upsert(team_id: int, summary: dict[str, dict[str, Any]]) -> None:
     count ``n``, ``errors``, ``start``, ``end``, ``root`` (the root span's name, or None) and
     ``service``."""
     table = connection.ops.quote_name(Trace._meta.db_table)
-    now = timezone.now()
+    now = connection.ops.adapt_datetimefield_value(timezone.now())
+    # SQLite's two-argument min() and max() are Postgres's LEAST and GREATEST.
+    least, greatest = ("LEAST", "GREATEST") if connection.vendor == "postgresql" else ("min", "max")
     values, params = [], []
     for trace_id in sorted(summary):
         s = summary[trace_id]
@@ -73,7 +75,7 @@ def traces_upsert(team_id: int, summary: dict[str, dict[str, Any]]) -> None:
         f"start_ns, end_ns, created_at, updated_at) VALUES {', '.join(values)} "
         "ON CONFLICT (team_id, trace_id) DO UPDATE SET "
         "span_count = t.span_count + EXCLUDED.span_count, error_count = t.error_count + EXCLUDED.error_count, "
-        "start_ns = LEAST(t.start_ns, EXCLUDED.start_ns), end_ns = GREATEST(t.end_ns, EXCLUDED.end_ns), "
+        f"start_ns = {least}(t.start_ns, EXCLUDED.start_ns), end_ns = {greatest}(t.end_ns, EXCLUDED.end_ns), "
         "updated_at = EXCLUDED.updated_at, "
         "root_name = CASE WHEN EXCLUDED.root_name <> '' THEN EXCLUDED.root_name ELSE t.root_name END, "
         "service = CASE WHEN EXCLUDED.root_name <> '' THEN EXCLUDED.service ELSE t.service END"

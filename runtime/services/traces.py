@@ -22,7 +22,6 @@ from typing import Any
 from django.conf import settings
 from django.db import connection, transaction
 from django.db.models import F, Q, QuerySet
-from django.db.models.functions import Greatest, Least
 from django.utils import timezone
 
 from ..errors import InvalidValue, NotFound
@@ -197,23 +196,6 @@ def _created(team: Team, batch: _Batch) -> list[tuple[str, int | None]]:
     return [(s.trace_id, s.pk) for s in spans]
 
 
-def _traces_grown(team: Team, summary: dict[str, dict[str, Any]]) -> None:
-    Trace.objects.bulk_create(
-        [Trace(team=team, trace_id=t, start_ns=s["start"], end_ns=s["end"], service=s["service"])
-         for t, s in sorted(summary.items())],
-        ignore_conflicts=True,
-    )  # fmt: skip
-    for trace_id, s in sorted(summary.items()):
-        changes: dict[str, Any] = {
-            "span_count": F("span_count") + s["n"], "error_count": F("error_count") + s["errors"],
-            "start_ns": Least(F("start_ns"), s["start"]), "end_ns": Greatest(F("end_ns"), s["end"]),
-            "updated_at": timezone.now(),
-        }  # fmt: skip
-        if s["root"] is not None:
-            changes.update(root_name=s["root"], service=s["service"])
-        Trace.objects.filter(team=team, trace_id=trace_id).update(**changes)
-
-
 def spans_store(*, team: Team, decoded: Decoded) -> int:
     """Store the decoded spans for ``team`` in one transaction; returns how many."""
     if not decoded.rows:
@@ -225,10 +207,7 @@ def spans_store(*, team: Team, decoded: Decoded) -> int:
             _keep_long_values(team.id, batch)
         stored = _copied(team.id, batch) if postgres else _created(team, batch)
         trace_live.spans_stored(team_id=team.id, spans=stored)  # live pages, once this commits
-        if postgres:
-            trace_copy.traces_upsert(team.id, batch.summary)
-        else:
-            _traces_grown(team, batch.summary)
+        trace_copy.traces_upsert(team.id, batch.summary)  # one statement, on Postgres and SQLite
     return len(batch.rows)
 
 
