@@ -152,7 +152,9 @@ def test_hangar_up_runs_stops_cleanly_and_sandboxes_survive_a_restart(tmp_path):
     trace = wait_until(lambda: next((t for t in listed() if t["span_count"] >= 3), None), 30, 0.5,
                        what="the create's trace with the node's spans in it")  # fmt: skip
     spans = api.get(f"/traces/{trace['trace_id']}").json()["spans"]
-    assert len(spans) == trace["span_count"] and {"sandbox.create", "sandbox.start"} <= {s["name"] for s in spans}
+    assert len(spans) == trace["span_count"] and {"sandbox.create", "sandbox.start"} <= {
+        s["name"] for s in spans
+    }
     # A volume's data and a paused sandbox's files must outlive Hangar's processes too.
     assert api.post("/volumes", json={"name": "keep", "size_mb": 32}).status_code == 201
     vb = api.post("/sandboxes", json={"image": "busybox", "memory_mb": 256,
