@@ -277,10 +277,13 @@ async def _answer(sandbox_id: str, statuses: tuple[str, ...], *, wait: bool) -> 
     def read() -> Sandbox:
         return _full.get(id=sandbox_id)
 
-    if not wait:
-        return await blocking(read)()
-    return await wait_for(sandbox_channel(sandbox_id), read, lambda row: row.status in statuses,
-                          settings.HANGAR_CREATE_WAIT_S)  # fmt: skip
+    def status() -> str:  # what the wait re-reads on each wake: the status alone, not the whole row
+        return Sandbox.objects.filter(id=sandbox_id).values_list("status", flat=True).first() or ""
+
+    if wait:
+        await wait_for(sandbox_channel(sandbox_id), status, lambda now: now in statuses or not now,
+                       settings.HANGAR_CREATE_WAIT_S)  # fmt: skip
+    return await blocking(read)()
 
 
 @router.post("", response={201: SandboxOut, **errors(404, 409, 429, 502, 503)})

@@ -330,6 +330,11 @@ class Launcher(abc.ABC):
         which :meth:`restore` (or :meth:`create`, over its files) continues. Idempotent."""
         raise LauncherError(f"the {self.name} runtime cannot move a sandbox to another node")
 
+    def sweep_incoming(self, idle_s: float) -> list[str]:
+        """Remove copies in :meth:`incoming_dir` that nothing has written to for ``idle_s``
+        seconds (their move died with its worker); the sandbox ids (reconciliation)."""
+        return []
+
     def set_network(self, handle: Handle, policy: dict[str, Any]) -> None:
         """Put a new egress policy in force for a running sandbox that has a network, at once
         and atomically. Only where ``capabilities().network``."""

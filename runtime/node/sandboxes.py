@@ -175,6 +175,11 @@ def _destroy_stopping(sandbox_id: str, to: str) -> None:
     transition(sandbox_id, to=to, frm=[S.STOPPING], fields={"stopped_at": timezone.now(), "handle": {}})
 
 
+# A paused sandbox's copy from another node that nothing has written to for this long is a move
+# whose worker died: reconciliation removes it (runtime/node/moves.py).
+INCOMING_IDLE_S = 3600.0
+
+
 def node_reconcile(*, node_name: str) -> dict[str, list[str]]:
     """Make this node and the database agree: fail rows whose sandbox is gone, destroy
     runtime resources that no live row owns."""
@@ -228,6 +233,8 @@ def node_reconcile(*, node_name: str) -> dict[str, list[str]]:
                                          status__in=[S.STARTING, S.RUNNING, S.PAUSING, S.RESUMING, S.STOPPING,
                                                      S.PAUSED])  # fmt: skip
         report["networks_removed"] += launcher.network_reconcile(dict(holding.values_list("id", "network")))
+        if swept := launcher.sweep_incoming(INCOMING_IDLE_S):
+            log.warning("node %s removed copies of moves that stopped: %s", node.name, swept)
     return report
 
 

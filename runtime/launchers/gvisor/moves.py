@@ -17,6 +17,8 @@ worker died in between) adopts it first.
 from __future__ import annotations
 
 import contextlib
+import shutil
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -90,6 +92,23 @@ class MoveMixin(_Launcher):
         (incoming / MOVED_IN).touch()
         incoming.chmod(0o700)
         incoming.rename(d)
+
+    def sweep_incoming(self, idle_s: float) -> list[str]:
+        with contextlib.suppress(FileNotFoundError):
+            return sweep(self.sandboxes_dir, idle_s)
+        return []
+
+
+def sweep(sandboxes_dir: Path, idle_s: float) -> list[str]:
+    """Remove the copies in ``sandboxes_dir`` that nothing has written to for ``idle_s`` (their
+    move died with its worker: a later move of the same sandbox starts over); their ids."""
+    now, swept = time.time(), []
+    for incoming in sandboxes_dir.glob(".incoming-*"):
+        newest = max((p.stat().st_mtime for p in incoming.rglob("*")), default=incoming.stat().st_mtime)
+        if now - max(newest, incoming.stat().st_mtime) > idle_s:
+            shutil.rmtree(incoming, ignore_errors=True)
+            swept.append(incoming.name.removeprefix(".incoming-"))
+    return swept
 
 
 def needs_bundle(d: Path) -> bool:

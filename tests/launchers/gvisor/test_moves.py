@@ -180,3 +180,21 @@ def test_a_move_request_is_signed_and_expires(settings):
     settings.SECRET_KEY = "another hangar's key"
     with pytest.raises(ValueError, match="signature"):
         moves.check_request(body)
+
+
+def test_a_copy_nothing_has_written_to_for_long_is_swept_and_one_in_progress_is_not(tmp_path: Path):
+    import os
+
+    from runtime.launchers.gvisor.moves import sweep
+
+    stale, live = tmp_path / ".incoming-sbold", tmp_path / ".incoming-sbnew"
+    for d in (stale, live):
+        (d / "disk").mkdir(parents=True)
+        (d / "disk" / "disk.ext4").write_bytes(b"x")
+    (tmp_path / "sbkept").mkdir()  # a sandbox of the node: never a copy
+    hour_ago = time.time() - 3700
+    for p in (stale, stale / "disk", stale / "disk" / "disk.ext4", live):
+        os.utime(p, (hour_ago, hour_ago))
+    # The live copy's directory is old, but its disk is being written to: it stays.
+    assert sweep(tmp_path, 3600) == ["sbold"]
+    assert not stale.exists() and live.exists() and (tmp_path / "sbkept").exists()
