@@ -7,10 +7,12 @@ move), holds its image, has disk above the floor, and has CPU and memory left un
 overcommit ratios. Among those, ``HANGAR_PLACEMENT=spread`` (the default) takes the one with the
 most free memory (then CPU), ``pack`` the one with the least that still fits.
 
-The choice is made in one SQL query over the node rows (their allocation counters, kept by the
-database, say what their sandboxes take); the reservation is the chosen node's row, locked and
-its counters read again under the lock, so two concurrent placements on the last unit of room
-cannot both succeed. When nothing fits, every node is looked at once more to say why, in one
+The candidates come from this process's view of the placeable nodes (:mod:`.fleet_view`: read at
+most once every ``HANGAR_PLACEMENT_VIEW_S``, with their allocation counters, which the database
+keeps), ordered by the policy; the reservation is the chosen node's row, locked, and everything
+that decides whether it takes the sandbox is read again under the lock (its state, heartbeat,
+labels, capabilities, disk floor and counters), so a stale view never places where it should
+not, and two concurrent placements on the last unit of room cannot both succeed. When nothing fits, every node is looked at once more to say why, in one
 line: ``no node: 2 lack kvm, 1 offline, 3 full on memory``.
 """
 
