@@ -22,6 +22,7 @@ from collections import Counter
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
+from typing import Literal
 
 from django.conf import settings
 from django.db import transaction
@@ -149,15 +150,16 @@ def node_pick(
                 fresh = False
                 waiting: list[NodeView] = []
                 for view in candidates:  # first, those no other placement holds right now
-                    if (got := _reserve(view.id, p, wait=False)) is None:
-                        waiting.append(view)
-                    elif got is False:
-                        full.add(view.id)
-                    else:
+                    got = _reserve(view.id, p, wait=False)
+                    if isinstance(got, Node):
                         return got
+                    if got is None:
+                        waiting.append(view)
+                    else:
+                        full.add(view.id)
                 for view in waiting:  # then wait for them, one at a time (holding no other node)
-                    if (got := _reserve(view.id, p, wait=True)) not in (None, False):
-                        return got  # type: ignore[return-value]
+                    if isinstance(got := _reserve(view.id, p, wait=True), Node):
+                        return got
                     full.add(view.id)
     raise _refusal(p)
 
@@ -184,7 +186,7 @@ def _candidates(p: Placement, *, fresh: bool, skip: set[int]) -> list[NodeView]:
     return [r[0] for r in roomy[:TRIES]]
 
 
-def _reserve(node_id: int, p: Placement, *, wait: bool) -> Node | bool | None:
+def _reserve(node_id: int, p: Placement, *, wait: bool) -> Node | Literal[False] | None:
     """Lock the node's row and decide under the lock, from the row as it is now (its state
     and heartbeat, labels, capabilities, disk floor and counters): the node (reserved: the lock
     stays until the caller's transaction ends), False (it cannot take ``p``: released), None
