@@ -62,6 +62,7 @@ class FleetView:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._nodes: list[NodeView] = []
+        self._by_id: dict[int, NodeView] = {}
         self._read_at = -1e18
 
     def nodes(self, placeable: Callable[[], QuerySet[Node]], *, fresh: bool = False) -> list[NodeView]:
@@ -100,17 +101,15 @@ class FleetView:
             for r in rows
         ]
         with self._lock:
-            self._nodes, self._read_at = nodes, time.monotonic()
+            self._nodes, self._by_id, self._read_at = nodes, {n.id: n for n in nodes}, time.monotonic()
 
     def reserved(self, node: Node, cpu: float, memory_mb: int) -> None:
         """Count a reservation on ``node`` (whose row was just read under its lock) in the view."""
         with self._lock:
-            for view in self._nodes:
-                if view.id == node.id:
-                    view.millicpu_allocated = node.millicpu_allocated + round(cpu * 1000)
-                    view.memory_mb_allocated = node.memory_mb_allocated + memory_mb
-                    view.disk_free_mb = node.disk_free_mb
-                    return
+            if (view := self._by_id.get(node.id)) is not None:
+                view.millicpu_allocated = node.millicpu_allocated + round(cpu * 1000)
+                view.memory_mb_allocated = node.memory_mb_allocated + memory_mb
+                view.disk_free_mb = node.disk_free_mb
 
     def forget(self) -> None:
         """Read again at the next placement."""
@@ -128,13 +127,16 @@ def matching(nodes: list[NodeView], *, runtime: str, needs: tuple[str, ...], sel
              image_id: int, node_id: int | None) -> list[NodeView]:  # fmt: skip
     """The nodes of the view that could take such a sandbox, room aside."""
     floor = settings.HANGAR_NODE_MIN_FREE_DISK_MB
-    return [
-        n
-        for n in nodes
-        if runtime in n.launchers
-        and all(n.can(runtime, c) for c in needs)
-        and all(n.labels.get(k) == v for k, v in selector.items())
-        and (node_id is None or n.id == node_id)
-        and image_id in n.images
-        and (n.disk_free_mb is None or n.disk_free_mb >= floor)
-    ]
+    found = []
+    for n in nodes:  # a plain loop: run for each placement over the whole fleet
+        caps = n.launchers.get(runtime)
+        if caps is None or image_id not in n.images or (node_id is not None and n.id != node_id):
+            continue
+        if (n.disk_free_mb is not None and n.disk_free_mb < floor) or (
+            needs and not all(caps.get(c) for c in needs)
+        ):
+            continue
+        if selector and any(n.labels.get(k) != v for k, v in selector.items()):
+            continue
+        found.append(n)
+    return found

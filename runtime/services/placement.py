@@ -18,6 +18,7 @@ line: ``no node: 2 lack kvm, 1 offline, 3 full on memory``.
 
 from __future__ import annotations
 
+import heapq
 from collections import Counter
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -177,13 +178,19 @@ def _candidates(p: Placement, *, fresh: bool, skip: set[int]) -> list[NodeView]:
     its image, are above the disk floor and have room, ordered by the policy."""
     nodes = matching(VIEW.nodes(placeable, fresh=fresh), runtime=p.runtime, needs=p.needs, selector=p.node_selector,
                      image_id=p.image.id, node_id=p.node_id)  # fmt: skip
-    roomy = [(n, *n.free()) for n in nodes if n.id not in skip]
-    roomy = [r for r in roomy if r[1] + EPSILON >= p.cpu and r[2] >= p.memory_mb]
+    oc_cpu, oc_mem = settings.HANGAR_CPU_OVERCOMMIT, settings.HANGAR_MEMORY_OVERCOMMIT
+    want_cpu, want_mem = p.cpu - EPSILON, p.memory_mb
+    roomy = []
+    for n in nodes:
+        free_cpu = n.cpu_capacity * oc_cpu - n.millicpu_allocated / 1000
+        free_mem = n.memory_mb_capacity * oc_mem - n.memory_mb_allocated
+        if free_cpu >= want_cpu and free_mem >= want_mem and n.id not in skip:
+            roomy.append((free_mem, free_cpu, n))
     if _policy() == "pack":
-        roomy.sort(key=lambda r: (r[2], r[1], r[0].name))
+        best = heapq.nsmallest(TRIES, roomy, key=lambda r: (r[0], r[1], r[2].name))
     else:
-        roomy.sort(key=lambda r: (-r[2], -r[1], r[0].name))
-    return [r[0] for r in roomy[:TRIES]]
+        best = heapq.nsmallest(TRIES, roomy, key=lambda r: (-r[0], -r[1], r[2].name))
+    return [r[2] for r in best]
 
 
 def _reserve(node_id: int, p: Placement, *, wait: bool) -> Node | Literal[False] | None:
