@@ -308,6 +308,9 @@ HANGAR_MEMORY_OVERCOMMIT = env_float("HANGAR_MEMORY_OVERCOMMIT", 1.0)
 # Where a new sandbox goes among the nodes that can take it: spread (the one with the most free
 # memory, then CPU) or pack (the fullest that still fits). See docs/fleet-scheduling.md.
 HANGAR_PLACEMENT = env_str("HANGAR_PLACEMENT", "spread")
+# How old each process's view of the placeable nodes may get before a placement reads it again
+# (runtime/services/fleet_view.py); 0: read for every placement.
+HANGAR_PLACEMENT_VIEW_S = env_float("HANGAR_PLACEMENT_VIEW_S", 1.0, minimum=0)
 if HANGAR_PLACEMENT not in ("spread", "pack"):
     raise ImproperlyConfigured(f"HANGAR_PLACEMENT must be spread or pack, got {HANGAR_PLACEMENT!r}")
 # A node with less free space than this where its sandboxes' disks are gets no new sandboxes.

@@ -8,12 +8,14 @@ class RuntimeConfig(AppConfig):
 
     def ready(self) -> None:
         from django.conf import settings
-        from django.db.models.signals import post_save
+        from django.db.models.signals import m2m_changed, post_save
 
         from . import events
         from .launchers.registry import register_all
+        from .models import Image, Node
         from .services import harnesses, pools, previews, runs, usage
         from .services.auth import user_changed
+        from .services.fleet_view import VIEW
 
         # Launchers registered in the settings, in every process (the server, workers, bridge).
         register_all(settings.HANGAR_LAUNCHER_CLASSES)
@@ -25,3 +27,6 @@ class RuntimeConfig(AppConfig):
         events.sandbox_started.connect(harnesses.harness_setup_enqueue)
         events.sandboxes_busy.connect(harnesses.harnesses_with_active_runs)
         events.process_ended.connect(runs.run_process_ended)
+        # A node saved or an image's holders changed in this process: its placements see it at once.
+        post_save.connect(VIEW.changed, sender=Node, dispatch_uid="hangar-fleet-view-node")
+        m2m_changed.connect(VIEW.changed, sender=Image.nodes.through, dispatch_uid="hangar-fleet-view-images")

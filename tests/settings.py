@@ -7,6 +7,9 @@ os.environ.setdefault("DATABASE_URL", "postgres://postgres@127.0.0.1:5432/hangar
 os.environ.setdefault("REDIS_URL", "redis://127.0.0.1:6379/7")
 os.environ.setdefault("HANGAR_DATA_DIR", os.path.join(tempfile.gettempdir(), "hangar-test-data"))
 os.environ.setdefault("HANGAR_NODE_NAME", "test-node")
+# Tests register nodes and place sandboxes on them from several processes at once: every
+# placement reads the fleet afresh (tests/runtime/test_fleet_view.py tests the view's age).
+os.environ.setdefault("HANGAR_PLACEMENT_VIEW_S", "0")
 os.environ.setdefault("HANGAR_ACTIVITY_REPORT_S", "1")  # bridges report terminal activity at once
 # Flow control's marks, small: a gVisor pty under ptrace may move only ~10 KB/s on a busy host,
 # and the flow tests must reach the high mark whatever the host's load.

@@ -25,6 +25,7 @@ from ..errors import Conflict, Forbidden, InvalidValue, NoCapacity, NotFound, Qu
 from ..lifecycle import record_event
 from ..models import Node, NodeJoinToken, Sandbox
 from . import audit
+from .fleet_view import VIEW
 from .images import image_resolve
 from .nodes import ACTIVE, HELD
 from .placement import node_pick
@@ -59,6 +60,7 @@ def _move(node: Node, *, to: str, frm: list[str], action: str) -> Node:
             raise Conflict(f"node {node.name} is {node.state}; {action} needs it {' or '.join(frm)}",
                            state=node.state)  # fmt: skip
         audit.record(f"node.{action}", target=node.name, state_from=node.state, state_to=to)
+    VIEW.forget()  # this process's placements see the new state at once (others' within a second)
     node.state = to
     return node
 

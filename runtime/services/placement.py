@@ -7,39 +7,39 @@ move), holds its image, has disk above the floor, and has CPU and memory left un
 overcommit ratios. Among those, ``HANGAR_PLACEMENT=spread`` (the default) takes the one with the
 most free memory (then CPU), ``pack`` the one with the least that still fits.
 
-The choice is made in one SQL query over the node rows (their allocation counters, kept by the
-database, say what their sandboxes take); the reservation is the chosen node's row, locked and
-its counters read again under the lock, so two concurrent placements on the last unit of room
-cannot both succeed. When nothing fits, every node is looked at once more to say why, in one
+The candidates come from this process's view of the placeable nodes (:mod:`.fleet_view`: read at
+most once every ``HANGAR_PLACEMENT_VIEW_S``, with their allocation counters, which the database
+keeps), ordered by the policy; the reservation is the chosen node's row, locked, and everything
+that decides whether it takes the sandbox is read again under the lock (its state, heartbeat,
+labels, capabilities, disk floor and counters), so a stale view never places where it should
+not, and two concurrent placements on the last unit of room cannot both succeed. When nothing fits, every node is looked at once more to say why, in one
 line: ``no node: 2 lack kvm, 1 offline, 3 full on memory``.
 """
 
 from __future__ import annotations
 
+import heapq
 from collections import Counter
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
+from typing import Literal
 
 from django.conf import settings
 from django.db import transaction
 from django.db.models import (
     Count,
     Exists,
-    ExpressionWrapper,
-    F,
-    FloatField,
     OuterRef,
     Q,
     QuerySet,
     Sum,
-    Value,
 )
-from django.db.models.fields.json import KeyTransform
 from django.utils import timezone
 
 from ..errors import InvalidValue, NoCapacity
 from ..models import Image, Node, Sandbox
+from .fleet_view import VIEW, NodeView, matching
 
 # What holds CPU and memory on a node (a paused sandbox holds only its disk).
 ACTIVE = [
@@ -145,20 +145,23 @@ def node_pick(
     )  # fmt: skip
     # The caller's transaction holds the reservation (no savepoint of its own around it).
     with transaction.atomic(savepoint=False):
-        full: set[int] = set()  # found full under their lock: the next round skips them
-        while candidates := list(_candidates(p).exclude(id__in=full)[:TRIES]):
-            waiting: list[Node] = []
-            for node in candidates:  # first, those no other placement holds right now
-                if (got := _reserve(node, p, wait=False)) is True:
-                    return node
-                if got is None:
-                    waiting.append(node)
-                else:
-                    full.add(node.id)
-            for node in waiting:  # then wait for them, one at a time (holding no other node)
-                if _reserve(node, p, wait=True):
-                    return node
-                full.add(node.id)
+        full: set[int] = set()  # found unable under their lock: not tried again
+        for fresh in (False, True):  # this process's view of the fleet, then read again
+            while candidates := _candidates(p, fresh=fresh, skip=full):
+                fresh = False
+                waiting: list[NodeView] = []
+                for view in candidates:  # first, those no other placement holds right now
+                    got = _reserve(view.id, p, wait=False)
+                    if isinstance(got, Node):
+                        return got
+                    if got is None:
+                        waiting.append(view)
+                    else:
+                        full.add(view.id)
+                for view in waiting:  # then wait for them, one at a time (holding no other node)
+                    if isinstance(got := _reserve(view.id, p, wait=True), Node):
+                        return got
+                    full.add(view.id)
     raise _refusal(p)
 
 
@@ -169,65 +172,61 @@ def _policy() -> str:
     return policy
 
 
-def _candidates(p: Placement) -> QuerySet[Node]:
-    """The nodes that can take ``p`` as far as the database says, best first: one query."""
-    qs = placeable().filter(launchers__has_key=p.runtime)
-    for i, capability in enumerate(p.needs):
-        qs = qs.alias(**{f"cap{i}": KeyTransform(capability, KeyTransform(p.runtime, "launchers"))}).filter(
-            **{f"cap{i}": True}
-        )
-    for i, (key, value) in enumerate(sorted(p.node_selector.items())):
-        # A JSON key's equality (KeyTransformExact): the value compared as JSON on Postgres and
-        # on SQLite alike (a text transform's string is not JSON to SQLite's json_extract).
-        qs = qs.alias(**{f"label{i}": KeyTransform(key, "labels")}).filter(**{f"label{i}": value})
-    if p.node_id is not None:
-        qs = qs.filter(id=p.node_id)
-    floor = settings.HANGAR_NODE_MIN_FREE_DISK_MB
-    holds_image = Image.nodes.through.objects.filter(image_id=p.image.id, node_id=OuterRef("pk"))
-    # The node's own counters (kept by the database's triggers: migration 0025) say what its
-    # sandboxes take: no join, no sum over the fleet's sandboxes.
-    qs = (
-        qs.filter(Exists(holds_image))
-        .filter(Q(disk_free_mb__isnull=True) | Q(disk_free_mb__gte=floor))
-        .alias(
-            free_cpu=ExpressionWrapper(
-                F("cpu_capacity") * Value(settings.HANGAR_CPU_OVERCOMMIT)
-                - F("millicpu_allocated") / Value(1000.0),
-                output_field=FloatField(),
-            ),
-            free_mem=ExpressionWrapper(
-                F("memory_mb_capacity") * Value(settings.HANGAR_MEMORY_OVERCOMMIT) - F("memory_mb_allocated"),
-                output_field=FloatField(),
-            ),
-        )
-        .filter(free_cpu__gte=p.cpu - EPSILON, free_mem__gte=p.memory_mb)
-    )
+def _candidates(p: Placement, *, fresh: bool, skip: set[int]) -> list[NodeView]:
+    """The best few nodes for ``p`` as this process's view of the fleet has them (module
+    :mod:`.fleet_view`): those that run its runtime with its capabilities, carry its labels, hold
+    its image, are above the disk floor and have room, ordered by the policy."""
+    nodes = matching(VIEW.nodes(placeable, fresh=fresh), runtime=p.runtime, needs=p.needs, selector=p.node_selector,
+                     image_id=p.image.id, node_id=p.node_id)  # fmt: skip
+    oc_cpu, oc_mem = settings.HANGAR_CPU_OVERCOMMIT, settings.HANGAR_MEMORY_OVERCOMMIT
+    want_cpu, want_mem = p.cpu - EPSILON, p.memory_mb
+    roomy = []
+    for n in nodes:
+        free_cpu = n.cpu_capacity * oc_cpu - n.millicpu_allocated / 1000
+        free_mem = n.memory_mb_capacity * oc_mem - n.memory_mb_allocated
+        if free_cpu >= want_cpu and free_mem >= want_mem and n.id not in skip:
+            roomy.append((free_mem, free_cpu, n))
     if _policy() == "pack":
-        return qs.order_by("free_mem", "free_cpu", "name")
-    return qs.order_by("-free_mem", "-free_cpu", "name")
+        best = heapq.nsmallest(TRIES, roomy, key=lambda r: (r[0], r[1], r[2].name))
+    else:
+        best = heapq.nsmallest(TRIES, roomy, key=lambda r: (-r[0], -r[1], r[2].name))
+    return [r[2] for r in best]
 
 
-def _reserve(node: Node, p: Placement, *, wait: bool) -> bool | None:
-    """Lock ``node``'s row and count its room again under the lock: True (reserved: the lock
-    stays until the caller's transaction ends), False (it no longer fits: released), None (another
-    placement holds it and ``wait`` is False)."""
+def _reserve(node_id: int, p: Placement, *, wait: bool) -> Node | Literal[False] | None:
+    """Lock the node's row and decide under the lock, from the row as it is now (its state
+    and heartbeat, labels, capabilities, disk floor and counters): the node (reserved: the lock
+    stays until the caller's transaction ends), False (it cannot take ``p``: released), None
+    (another placement holds it and ``wait`` is False, or it is gone)."""
     sid = transaction.savepoint()
     # The row as locked is its latest committed version: its counters count every placement
     # on this node that committed before (ours moves them when its sandbox's row is written).
-    locked = (
-        Node.objects.select_for_update(skip_locked=not wait)
-        .filter(id=node.id)
-        .values_list("millicpu_allocated", "memory_mb_allocated")
-        .first()
-    )
+    locked = Node.objects.select_for_update(skip_locked=not wait).filter(id=node_id).first()
     if locked is None:
         transaction.savepoint_rollback(sid)
         return None
-    if _short_of(node, p, locked[0] / 1000, locked[1]):
+    if _unfit(locked, p) or _short_of(
+        locked, p, locked.millicpu_allocated / 1000, locked.memory_mb_allocated
+    ):
         transaction.savepoint_rollback(sid)  # which releases the row's lock
         return False
     transaction.savepoint_commit(sid)
-    return True
+    VIEW.reserved(locked, p.cpu, p.memory_mb)
+    return locked
+
+
+def _unfit(node: Node, p: Placement) -> bool:
+    """Whether the row, read under its lock, says the node cannot take ``p`` whatever its room
+    (the view it was chosen from may be older than a cordon, a loss or a label change)."""
+    labels = node.labels if isinstance(node.labels, dict) else {}
+    floor = settings.HANGAR_NODE_MIN_FREE_DISK_MB
+    return bool(
+        node_unready(node)
+        or p.runtime not in (node.launchers or {})
+        or not all(node.can(p.runtime, c) for c in p.needs)
+        or any(labels.get(k) != v for k, v in p.node_selector.items())
+        or (node.disk_free_mb is not None and node.disk_free_mb < floor)
+    )
 
 
 # -- the refusal ------------------------------------------------------------------------------------
