@@ -45,16 +45,6 @@ class NodeView:
     memory_mb_allocated: int
     images: frozenset[int] = field(default_factory=frozenset)
 
-    def can(self, runtime: str, capability: str) -> bool:
-        return bool((self.launchers.get(runtime) or {}).get(capability))
-
-    def free(self) -> tuple[float, float]:
-        """(CPU, memory) left under the overcommit ratios, as this view counts them."""
-        return (
-            self.cpu_capacity * settings.HANGAR_CPU_OVERCOMMIT - self.millicpu_allocated / 1000,
-            self.memory_mb_capacity * settings.HANGAR_MEMORY_OVERCOMMIT - self.memory_mb_allocated,
-        )
-
 
 class FleetView:
     """This process's view of the placeable nodes (thread-safe: a list replaced whole)."""

@@ -20,6 +20,7 @@ from runtime.launchers.base import ExecRequest, LauncherError, ProcessRequest, S
 from runtime.launchers.gvisor.launcher import GVisorLauncher
 from runtime.node import moves
 from tests.launchers.gvisor.helpers import assert_nothing_left
+from tests.launchers.helpers import remove_all
 from tests.support import WORLD_A, requires_runsc
 
 pytestmark = [
@@ -36,9 +37,7 @@ def nodes(tmp_path_factory, agent_cache_dir) -> Iterator[tuple[GVisorLauncher, G
                  for n in "ab")  # fmt: skip
     yield pair  # type: ignore[misc]
     for launcher in pair:
-        for sandbox_id in launcher.states():
-            launcher.destroy(launcher.handle_for(sandbox_id))
-        launcher.release_spares()
+        remove_all(launcher)
         launcher.network.remove_base()
 
 
