@@ -588,6 +588,7 @@ class Harness(models.Model):
     agent = models.CharField(max_length=32)  # a preset: runtime.presets.PRESETS
     command = models.JSONField(default=list, blank=True)  # custom: argv
     image = models.CharField(max_length=128)
+    runtime = models.CharField(max_length=32, default=default_runtime)
     cpu = models.FloatField(default=1.0)
     memory_mb = models.IntegerField(default=2048)
     disk_mb = models.IntegerField(default=10240)

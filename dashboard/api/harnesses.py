@@ -53,6 +53,10 @@ class HarnessIn(StrictIn):
         None, description="custom agent: the command (a string runs in sh -c)"
     )
     image: str = Field("base", min_length=1, max_length=300)
+    runtime: str = Field(
+        settings.HANGAR_DEFAULT_RUNTIME, min_length=1, max_length=32,
+        description="its sandbox's runtime: a launcher this install has (422 lists them); default HANGAR_DEFAULT_RUNTIME",
+    )  # fmt: skip
     cpu: float = Field(1.0, ge=0.1, le=settings.HANGAR_SANDBOX_MAX_CPU)
     memory_mb: int = Field(
         2048, ge=settings.HANGAR_SANDBOX_MIN_MEMORY_MB, le=settings.HANGAR_SANDBOX_MAX_MEMORY_MB
@@ -96,6 +100,7 @@ class HarnessOut(Schema):
     setup_error: str
     agent_version: str
     image: str
+    runtime: str
     cpu: float
     memory_mb: int
     disk_mb: int
@@ -115,7 +120,8 @@ class HarnessOut(Schema):
 def harness_out(h: Harness) -> HarnessOut:
     return HarnessOut(
         id=h.id, name=h.name, agent=h.agent, command=h.command, status=svc.harness_status(h), setup=h.setup,
-        setup_error=h.setup_error, agent_version=h.agent_version, image=h.image, cpu=h.cpu, memory_mb=h.memory_mb,
+        setup_error=h.setup_error, agent_version=h.agent_version, image=h.image, runtime=h.runtime, cpu=h.cpu,
+        memory_mb=h.memory_mb,
         disk_mb=h.disk_mb,
         repo=RepoOut(url=h.repo_url, branch=h.repo_branch, secret=h.repo_secret) if h.repo_url else None,
         secrets=h.secrets, network=h.network, idle_timeout_s=h.idle_timeout_s, sandbox=h.sandbox_id,
@@ -217,7 +223,8 @@ async def create_harness(request: AuthedRequest, payload: HarnessIn):
             idle = settings.HANGAR_HARNESS_IDLE_TIMEOUT_S or None
         h = svc.harness_create(
             team=_team(request), user=_user(request), name=payload.name, agent=payload.agent,
-            command=payload.command, image=payload.image, cpu=payload.cpu, memory_mb=payload.memory_mb,
+            command=payload.command, image=payload.image, runtime=payload.runtime, cpu=payload.cpu,
+            memory_mb=payload.memory_mb,
             disk_mb=payload.disk_mb, repo=payload.repo.dict() if payload.repo else None, secrets=payload.secrets,
             env=payload.env, idle_timeout_s=idle, network=payload.network, volume=payload.volume,
         )  # fmt: skip

@@ -21,6 +21,7 @@ from runtime.errors import InvalidValue, ServiceError
 from runtime.models import Harness, Image, ImageJob, Run, Terminal
 from runtime.services import harnesses as svc
 from runtime.services import images as image_svc
+from runtime.services import nodes as node_svc
 from runtime.services import processes as proc_svc
 from runtime.services import runs as run_svc
 from runtime.services import secrets as secret_svc
@@ -79,6 +80,9 @@ def _create_context(request: HttpRequest, tc: TeamContext, posted: Any = None) -
     return {
         "presets": list(presets.PRESETS.values()),
         "images": images,
+        # The runtimes the nodes run (a harness's sandbox may be a microVM as well as gVisor).
+        "runtimes": list(node_svc.runtimes_offered()) or [settings.HANGAR_DEFAULT_RUNTIME],
+        "default_runtime": settings.HANGAR_DEFAULT_RUNTIME,
         "default_image": DEFAULT_IMAGE,
         "default_missing": missing,
         "build_time": image_svc.BUILD_TIMES[DEFAULT_IMAGE],
@@ -117,6 +121,7 @@ def harnesses(request: SignedInRequest) -> HttpResponse:
             h = svc.harness_create(
                 team=tc.team, user=request.user, name=p.get("name", ""), agent=p.get("agent", ""),
                 command=p.get("command", "") or None, image=p.get("image") or DEFAULT_IMAGE,
+                runtime=p.get("runtime") or None,
                 cpu=_float(p.get("cpu"), "CPU", 1.0), memory_mb=_int(p.get("memory_mb"), "memory", 2048) or 2048,
                 disk_mb=_int(p.get("disk_mb"), "disk"), repo=repo if repo["url"] else None,
                 secrets=p.getlist("secrets"),

@@ -7,6 +7,12 @@ filled beyond the volume's size. The file is created sparse, so an empty 10 GB v
 almost nothing. Mounts are host kernel state: sandboxes and Hangar's processes may restart
 around them; after a reboot the next sandbox to use a volume mounts it again.
 
+A microVM attaches the file itself as a disk, and its own kernel mounts it: a filesystem is
+mounted by one kernel at a time, so while a VM holds a volume the host does not mount it and no
+other VM attaches it. The holder is written beside the image (:func:`hold`): its process (pid and
+start time, so a reused pid holds nothing) and its sandbox; a holder whose process is gone holds
+nothing.
+
 No Django here: ids and sizes in, paths and numbers out.
 """
 
@@ -53,8 +59,7 @@ class VolumeStore:
         return self.root / "mnt" / self._check(volume_id)
 
     def _lock(self, volume_id: str) -> contextlib.AbstractContextManager[None]:
-        (self.root / "locks").mkdir(parents=True, exist_ok=True)
-        return file_lock(self.root / "locks" / f"{self._check(volume_id)}.lock")
+        return _image_lock(self.image(volume_id))
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -98,6 +103,9 @@ class VolumeStore:
                 return target
             if not image.exists():
                 raise VolumeError(f"volume {volume_id} has no data on this node")
+            held = holder(image)
+            if held is not None:
+                raise VolumeError(f"volume {volume_id} is attached as a disk to microVM sandbox {held}")
             target.mkdir(parents=True, exist_ok=True)
             _run(["mount", "-o", "loop,nodev,nosuid", str(image), str(target)])
             with contextlib.suppress(OSError):
@@ -112,14 +120,44 @@ class VolumeStore:
                 _run(["umount", "-l", str(target)])
 
     def usage(self, volume_id: str) -> VolumeUsage:
+        """Used and total bytes as ``df`` counts them. While a microVM holds the volume the host
+        cannot mount it: then as its superblock last said (written when the guest unmounts it;
+        the caller asks the guest for a current figure)."""
+        image = self.image(volume_id)
+        if holder(image) is not None:
+            return superblock_usage(image)
         st = os.statvfs(self.mount(volume_id))
         total = st.f_blocks * st.f_frsize
         return VolumeUsage(used_bytes=total - st.f_bfree * st.f_frsize, total_bytes=total)
 
+    def attach_as_disk(self, volume_id: str, sandbox_id: str) -> Path:
+        """The volume's image for ``sandbox_id``'s microVM to attach: unmounted from the host (a
+        volume still in use there is refused), held for the sandbox by this process until its VM
+        holds it (:func:`hold`). VolumeError if another sandbox's VM holds it."""
+        image, target = self.image(volume_id), self.mountpoint(volume_id)
+        with self._lock(volume_id):
+            if not image.exists():
+                raise VolumeError(f"volume {volume_id} has no data on this node")
+            held = holder(image)
+            if held is not None and held != sandbox_id:
+                raise VolumeError(f"volume {volume_id} is attached as a disk to microVM sandbox {held}")
+            if held is None:  # (held: the sandbox's VM runs already, and keeps holding it)
+                if _is_mounted(target):
+                    try:  # not lazily: a filesystem still in use on the host must not go to a VM
+                        run_tool(["umount", str(target)], VolumeError)
+                    except VolumeError as exc:
+                        raise VolumeError(f"volume {volume_id} is still in use on this node: {exc}") from None
+                _write_holder(image, sandbox_id, os.getpid())
+        return image
+
     def delete(self, volume_id: str) -> None:
         """Unmount and remove the volume's data (idempotent)."""
+        held = holder(self.image(volume_id))
+        if held is not None:
+            raise VolumeError(f"volume {volume_id} is attached as a disk to microVM sandbox {held}")
         self.unmount(volume_id)
         with self._lock(volume_id):
+            holder_path(self.image(volume_id)).unlink(missing_ok=True)
             self.image(volume_id).unlink(missing_ok=True)
             target = self.mountpoint(volume_id)
             if target.exists() and not _is_mounted(target):
@@ -128,6 +166,92 @@ class VolumeStore:
     def list(self) -> list[str]:
         d = self.root / "images"
         return sorted(p.stem for p in d.glob("*.ext4")) if d.exists() else []
+
+
+# -- a volume attached as a VM's disk ---------------------------------------------------------
+
+
+def _image_lock(image: Path) -> contextlib.AbstractContextManager[None]:
+    """The volume's lock (``<root>/locks/<id>.lock``), from its image's path."""
+    locks = image.parent.parent / "locks"
+    locks.mkdir(parents=True, exist_ok=True)
+    return file_lock(locks / f"{image.stem}.lock")
+
+
+def holder_path(image: Path) -> Path:
+    return image.with_suffix(".holder")
+
+
+def _start_time(pid: int) -> str | None:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return fields[19].decode() if len(fields) > 19 and fields[0] != b"Z" else None
+
+
+def holder(image: Path) -> str | None:
+    """The sandbox whose live process has the volume's image as a disk, if any."""
+    try:
+        pid, start, sandbox_id = holder_path(image).read_text().split()
+        return sandbox_id if _start_time(int(pid)) == start else None
+    except (OSError, ValueError):
+        return None
+
+
+def _write_holder(image: Path, sandbox_id: str, pid: int) -> None:
+    start = _start_time(pid)
+    if start is None:
+        raise VolumeError(f"process {pid} is not running")
+    tmp = holder_path(image).with_suffix(".holder.tmp")
+    tmp.write_text(f"{pid} {start} {sandbox_id}\n")
+    os.replace(tmp, holder_path(image))
+
+
+def hold(image: Path, sandbox_id: str, pid: int) -> None:
+    """Record that process ``pid`` (``sandbox_id``'s VM) has the volume's image as a disk.
+    VolumeError if another sandbox's live process holds it, or the host has it mounted."""
+    with _image_lock(image):
+        held = holder(image)
+        if held is not None and held != sandbox_id:
+            raise VolumeError(f"volume {image.stem} is attached as a disk to microVM sandbox {held}")
+        if _is_mounted(image.parent.parent / "mnt" / image.stem):
+            raise VolumeError(f"volume {image.stem} is mounted on the host")
+        _write_holder(image, sandbox_id, pid)
+
+
+def let_go(image: Path, sandbox_id: str) -> None:
+    """``sandbox_id`` no longer has the image as a disk (its VM has stopped)."""
+    with _image_lock(image):
+        try:
+            if holder_path(image).read_text().split()[2] == sandbox_id:
+                holder_path(image).unlink()
+        except (OSError, IndexError):
+            pass
+
+
+def superblock_usage(image: Path) -> VolumeUsage:
+    """Used and total bytes from the ext4 superblock, counted as ``df`` does (the filesystem's
+    own overhead is neither): as of the last time a kernel wrote it (at unmount)."""
+    try:
+        with open(image, "rb") as f:
+            f.seek(1024)
+            sb = f.read(1024)
+    except OSError as exc:
+        raise VolumeError(f"cannot read volume {image.stem}: {exc}") from None
+    if len(sb) < 0x250 or sb[0x38:0x3A] != b"\x53\xef":
+        raise VolumeError(f"volume {image.stem} holds no ext4 filesystem")
+
+    def u32(offset: int) -> int:
+        return int.from_bytes(sb[offset : offset + 4], "little")
+
+    wide = u32(0x60) & 0x80  # INCOMPAT_64BIT: the counts' high halves are used
+    blocks = u32(0x04) | (u32(0x150) << 32 if wide else 0)
+    free = u32(0x0C) | (u32(0x158) << 32 if wide else 0)
+    size = 1024 << u32(0x18)
+    total = blocks - u32(0x248)  # s_overhead_clusters (0 where mkfs did not record it)
+    return VolumeUsage(used_bytes=max(0, total - free) * size, total_bytes=total * size)
 
 
 def _is_mounted(path: Path) -> bool:

@@ -51,9 +51,14 @@ class FileOpError(LauncherError):
 
 @dataclass(frozen=True)
 class Mount:
+    """A volume in a sandbox at ``destination``: mounted on the node at ``source`` (bound in), or,
+    for a runtime whose sandboxes are VMs (``Capabilities.vm``), its filesystem image ``disk``
+    that the VM attaches and its kernel mounts (``source`` is then empty)."""
+
     source: str
     destination: str
     read_only: bool = False
+    disk: str = ""
 
 
 @dataclass(frozen=True)

@@ -69,9 +69,11 @@ def _boot(sandbox_id: str, frm: str, sandbox: Sandbox | None = None) -> None:
         )
         return
     image_env = dict(e.split("=", 1) for e in info.config.get("env") or [] if "=" in e)
+    launcher = launcher_for(sandbox.runtime)
     try:
         with _phase("volumes", sandbox):
-            mounts = volume_svc.sandbox_mounts(sandbox)
+            # A VM's kernel mounts its volumes itself: it gets their images as disks.
+            mounts = volume_svc.sandbox_mounts(sandbox, as_disks=launcher.capabilities().vm)
     except VolumeError as exc:
         transition(sandbox_id, to=S.FAILED, frm=[frm], reason=f"its volumes could not be mounted: {exc}")
         return
@@ -87,7 +89,6 @@ def _boot(sandbox_id: str, frm: str, sandbox: Sandbox | None = None) -> None:
         hostname=sandbox.id,
         working_dir=info.config.get("working_dir") or "/",
     )
-    launcher = launcher_for(sandbox.runtime)
     resumed = "resumed"
     handle = None
     if frm == S.RESUMING and sandbox.paused_mode == PAUSE_MODE_CHECKPOINT:

@@ -218,6 +218,7 @@ def harness_create(
     agent: str,
     command: Any = None,
     image: str = "base",
+    runtime: str | None = None,
     cpu: float = 1.0,
     memory_mb: int = 2048,
     disk_mb: int | None = None,
@@ -254,6 +255,7 @@ def harness_create(
         net.setdefault("hangar", True)
     net = sandbox_svc.validate_network(net)
     image_row = sandbox_svc.image_resolve(image)
+    runtime = checks_svc.validate_runtime(runtime or settings.HANGAR_DEFAULT_RUNTIME)
     checks_svc.validate_limits(cpu=cpu, memory_mb=memory_mb, timeout_s=60)
     if Harness.objects.filter(team=team, name=name, deleted_at__isnull=True).exists():
         raise Conflict(f"team {team.name} already has a harness named {name!r}")
@@ -277,7 +279,8 @@ def harness_create(
             True,
         )
     h = Harness(
-        team=team, name=name, agent=agent, command=argv, image=image_row.name, cpu=cpu, memory_mb=memory_mb,
+        team=team, name=name, agent=agent, command=argv, image=image_row.name, runtime=runtime, cpu=cpu,
+        memory_mb=memory_mb,
         disk_mb=disk_mb, repo_url=url, repo_branch=branch, repo_secret=repo_secret, secrets=secret_names,
         env=env, network=net, idle_timeout_s=idle_timeout_s, volume=vol,
         created_by=user if getattr(user, "is_authenticated", False) else None,
@@ -341,7 +344,7 @@ def _start_sandbox(h: Harness, *, user: Any, image_config: dict[str, Any], repo_
     names = list(h.secrets) + ([h.repo_secret] if h.repo_secret and h.repo_secret not in h.secrets else [])
     assert h.volume_id is not None  # every harness is made with its workspace volume
     spec = sandbox_svc.SandboxRequest(
-        image=h.image, cpu=h.cpu, memory_mb=h.memory_mb, timeout_s=int(timeout_s),
+        image=h.image, runtime=h.runtime, cpu=h.cpu, memory_mb=h.memory_mb, timeout_s=int(timeout_s),
         env=_sandbox_env(h, image_env.get("PATH", "/usr/local/bin:/usr/bin:/bin")),
         metadata={"harness": h.id, "harness_name": h.name, "repo_auth": repo_auth},
         volumes=[volume_svc.VolumeMount(volume=h.volume_id, mount_path=presets.WORKSPACE)],

@@ -272,6 +272,7 @@ def sandbox_create(
             node_id=volume_svc.volume_node_id(mounts), needs=needs, node_selector=node_selector,
         )  # fmt: skip
         _env_fits(node, runtime, env)
+        volume_svc.check_exclusive(resolved=mounts, node=node, runtime=runtime)
         sandbox = Sandbox.objects.create(
             team=team,
             created_by=user if user is not None and user.is_authenticated else None,

@@ -19,13 +19,15 @@ from django.db import IntegrityError, transaction
 from django.db.models import QuerySet
 
 from ..errors import Conflict, InvalidValue, NodeUnavailable, NotFound
-from ..host.volumes import VolumeError
-from ..launchers.base import Mount
+from ..host import volumes as host_volumes
+from ..host.volumes import VolumeError, VolumeUsage
+from ..launchers.base import ExecRequest, LauncherError, Mount
 from ..models import Node, Sandbox, SandboxVolume, Team, Volume
-from ..node.local import local_node_name, volume_store
+from ..node.local import launcher_for, local_node_name, volume_store
 from . import audit, quotas
 from . import usage as usage_svc
 from .nodes import node_call
+from .sandbox_calls import handle_of
 
 log = logging.getLogger(__name__)
 
@@ -177,6 +179,40 @@ def volume_node_id(resolved: list[tuple[Volume, VolumeMount]]) -> int | None:
     return resolved[0][0].node_id if resolved else None
 
 
+# Sandboxes in these states hold no volume: they will not run again.
+_DONE = (Sandbox.Status.DELETED, Sandbox.Status.STOPPED, Sandbox.Status.FAILED)
+
+
+def check_exclusive(*, resolved: list[tuple[Volume, VolumeMount]], node: Node, runtime: str) -> None:
+    """A microVM's own kernel mounts its volumes, and a filesystem is mounted by one kernel at a
+    time: a volume attached to a microVM sandbox (until that sandbox is deleted or ends) is that
+    sandbox's alone, and a microVM sandbox attaches only volumes no other sandbox holds. Conflict
+    otherwise. In the create's transaction: the volumes' rows are locked, so two creates that
+    would both take a volume are serialised."""
+    if not resolved:
+        return
+    ids = sorted(v.id for v, _ in resolved)
+    list(Volume.objects.select_for_update().filter(id__in=ids).order_by("id"))
+    vm = node.can(runtime, "vm")
+    held = (
+        SandboxVolume.objects.filter(volume_id__in=ids)
+        .exclude(sandbox__status__in=_DONE)
+        .select_related("sandbox", "volume")
+        .order_by("volume__name", "sandbox_id")
+    )
+    for sv in held:
+        if vm:
+            raise Conflict(
+                f"volume {sv.volume.name!r} is attached to sandbox {sv.sandbox_id}: a microVM sandbox "
+                "attaches a volume alone; delete that sandbox first", sandboxes=[sv.sandbox_id],
+            )  # fmt: skip
+        if node.can(sv.sandbox.runtime, "vm"):
+            raise Conflict(
+                f"volume {sv.volume.name!r} is attached to microVM sandbox {sv.sandbox_id}, which holds "
+                "it alone; delete that sandbox first", sandboxes=[sv.sandbox_id],
+            )  # fmt: skip
+
+
 def attach(*, sandbox: Sandbox, resolved: list[tuple[Volume, VolumeMount]]) -> None:
     SandboxVolume.objects.bulk_create(
         [
@@ -186,13 +222,18 @@ def attach(*, sandbox: Sandbox, resolved: list[tuple[Volume, VolumeMount]]) -> N
     )
 
 
-def sandbox_mounts(sandbox: Sandbox) -> tuple[Mount, ...]:
-    """On the sandbox's node: mount its volumes on the host and say where they go inside."""
+def sandbox_mounts(sandbox: Sandbox, *, as_disks: bool = False) -> tuple[Mount, ...]:
+    """On the sandbox's node: mount its volumes on the host and say where they go inside; or,
+    ``as_disks`` (a microVM, whose kernel mounts them), each volume's image, held for it."""
     store = volume_store()
     out = []
     for sv in SandboxVolume.objects.filter(sandbox=sandbox).select_related("volume").order_by("mount_path"):
-        source = store.mount(sv.volume_id)
-        out.append(Mount(source=str(source), destination=sv.mount_path, read_only=sv.read_only))
+        if as_disks:
+            image = store.attach_as_disk(sv.volume_id, sandbox.id)
+            out.append(Mount(source="", destination=sv.mount_path, read_only=sv.read_only, disk=str(image)))
+        else:
+            source = store.mount(sv.volume_id)
+            out.append(Mount(source=str(source), destination=sv.mount_path, read_only=sv.read_only))
     return tuple(out)
 
 
@@ -214,6 +255,28 @@ def _on_node(volume: Volume, op: str, payload: dict[str, Any], timeout: float = 
     return answer
 
 
+def _usage_in_vm(volume_id: str) -> VolumeUsage | None:
+    """The volume's use as the microVM that holds it sees it (``df`` in the guest at its mount
+    path): the host cannot mount it meanwhile, and its superblock is current only once the guest
+    lets go. None when no VM holds it, or the guest cannot say."""
+    held = host_volumes.holder(volume_store().image(volume_id))
+    sv = None if held is None else (
+        SandboxVolume.objects.filter(volume_id=volume_id, sandbox_id=held).select_related("sandbox").first()
+    )  # fmt: skip
+    if sv is None:
+        return None
+    launcher = launcher_for(sv.sandbox.runtime)
+    try:
+        r = launcher.exec(
+            handle_of(sv.sandbox, launcher), ExecRequest(argv=["df", "-k", sv.mount_path], timeout=10)
+        )
+        cols = r.stdout.decode().splitlines()[-1].split()
+        return VolumeUsage(used_bytes=int(cols[2]) * 1024, total_bytes=int(cols[1]) * 1024)
+    except (LauncherError, ValueError, IndexError) as exc:
+        log.info("volume %s: its VM could not say its use (%s)", volume_id, exc)
+        return None
+
+
 def volume_op(*, op: str, volume_id: str, payload: dict[str, Any]) -> dict[str, Any]:
     """The node side: JSON in, JSON out. Errors raise locally and come back as ``error``
     through the queue (see the task)."""
@@ -222,7 +285,7 @@ def volume_op(*, op: str, volume_id: str, payload: dict[str, Any]) -> dict[str, 
         store.create(volume_id, int(payload["size_mb"]))
         return {}
     if op == "usage":
-        u = store.usage(volume_id)
+        u = _usage_in_vm(volume_id) or store.usage(volume_id)
         return {"used_bytes": u.used_bytes, "total_bytes": u.total_bytes}
     if op == "delete":
         store.delete(volume_id)

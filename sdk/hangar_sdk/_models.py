@@ -100,6 +100,7 @@ class HarnessInfo:
     setup: str = ""
     setup_error: str = ""
     image: str = ""
+    runtime: str = ""
     sandbox: str | None = None
     sandbox_status: str | None = None
     volume: str | None = None

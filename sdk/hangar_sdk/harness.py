@@ -67,8 +67,8 @@ class Harness:
     def create(cls, name: str, agent: str, repo: Mapping[str, Any] | str | None = None, *, wait: bool = True,
                timeout: float = 300.0, url: str | None = None, token: str | None = None,
                **extra: Any) -> Harness:  # fmt: skip
-        """Create a harness (``extra``: ``command``, ``image``, ``env``, ``secrets``, ``network``,
-        ``memory_mb``, …). With ``wait`` it returns once its workspace is set up (the repository
+        """Create a harness (``extra``: ``command``, ``image``, ``runtime``, ``env``, ``secrets``,
+        ``network``, ``memory_mb``, …). With ``wait`` it returns once its workspace is set up (the repository
         cloned, the agent installed), raising if that failed or took longer than ``timeout``."""
         t = Transport(Config.resolve(url, token))
         h = cls(

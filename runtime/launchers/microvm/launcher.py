@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from ...host import hostnames
+from ...host import hostnames, volumes
 from ...host.locks import file_lock
 from ...host.network import TAP, Lease, Network
 from ..agent.client import AgentClient
@@ -45,6 +45,8 @@ BOOT_TIMEOUT = 60.0  # under TCG on a busy node a boot takes seconds; with KVM w
 # (boot.tcg_args): a boot not up by then is still killed and tried once more.
 FIRST_BOOT_TIMEOUT = {"tcg": 20.0, "kvm": 10.0}
 OOM_MARK = b"Out of memory"
+# Volumes a VM attaches (each a virtio-mmio transport; microvm has 24, four are the VM's own).
+MAX_VOLUMES = 16
 
 
 def _pid_alive(pid: int, marker: str) -> bool:
@@ -200,8 +202,7 @@ class MicroVMLauncher(NetworkedMixin, AgentBackedLauncher):
         if not (spec.rootfs / "bin").exists() and not (spec.rootfs / "usr").exists():
             raise LauncherError(f"image root filesystem {spec.rootfs} is missing or empty")
         policy = self._policy(spec.network)
-        if spec.mounts:
-            raise LauncherError(f"the {self.name} runtime cannot attach volumes (yet)")
+        self._check_mounts(spec)
         with self._lock(spec.id):
             old = self.handle_for(spec.id)
             if "qemu_pid" in old and self._running(old) and self._agent_answers(old):
@@ -224,10 +225,16 @@ class MicroVMLauncher(NetworkedMixin, AgentBackedLauncher):
                 self._write_config(d, spec, lease)
                 accel = self.accel()
                 handle: Handle = {"id": spec.id, "runtime": self.name, "dir": str(d), "memory_mb": spec.memory_mb,
-                                  "cpu": spec.cpu, "vcpus": max(1, math.ceil(spec.cpu)), "accel": accel}  # fmt: skip
+                                  "cpu": spec.cpu, "vcpus": max(1, math.ceil(spec.cpu)), "accel": accel,
+                                  "disks": [m.disk for m in spec.mounts]}  # fmt: skip
                 argv = self._qemu_argv(spec, handle, kern, initrd, root, disk, lease)
                 for attempt, limit in enumerate((FIRST_BOOT_TIMEOUT[accel], BOOT_TIMEOUT)):
                     qemu = self._start(d, handle, argv)
+                    try:
+                        self._hold_volumes(handle, qemu.pid)
+                    except LauncherError:
+                        self._stop_processes(handle)
+                        raise
                     try:
                         self._wait_up(handle, qemu, limit)
                         break
@@ -238,11 +245,36 @@ class MicroVMLauncher(NetworkedMixin, AgentBackedLauncher):
                         log.warning("microVM %s did not boot within %.0fs; trying once more", spec.id, limit)
             except BaseException:
                 self._release_network(spec.id)
+                self._let_go_of_volumes(spec.id, [m.disk for m in spec.mounts])
                 raise
             self.install_ca(handle)
             if lease is not None:
                 self._write_resolution(spec.id, policy, names)
             return handle
+
+    def _check_mounts(self, spec: SandboxSpec) -> None:
+        if len(spec.mounts) > MAX_VOLUMES:
+            raise LauncherError(f"a {self.name} sandbox attaches at most {MAX_VOLUMES} volumes")
+        for m in spec.mounts:
+            if not m.disk:
+                raise LauncherError(
+                    f"the {self.name} runtime attaches volumes as disks: {m.destination} has none"
+                )
+            if not m.destination.startswith("/") or "\0" in m.destination:
+                raise LauncherError(f"invalid volume path {m.destination!r}")
+
+    def _hold_volumes(self, handle: Handle, pid: int) -> None:
+        """QEMU (``pid``) holds its volumes' images: the host mounts them not, no other VM attaches them."""
+        for image in handle.get("disks") or []:
+            try:
+                volumes.hold(Path(image), handle["id"], pid)
+            except volumes.VolumeError as exc:
+                raise LauncherError(str(exc)) from None
+
+    @staticmethod
+    def _let_go_of_volumes(sandbox_id: str, disks: list[str]) -> None:
+        for image in disks:
+            volumes.let_go(Path(image), sandbox_id)
 
     def _start(self, d: Path, handle: Handle, argv: list[str]) -> subprocess.Popen[bytes]:
         """QEMU and the node's end of the mux, each in a session of its own; the handle persisted."""
@@ -276,6 +308,9 @@ class MicroVMLauncher(NetworkedMixin, AgentBackedLauncher):
             fields.append("ca=" + ca.path.read_text())
             env = {**ca.env(), **env}
         fields += [f"env={k}={v}" for k, v in env.items() if "\0" not in k + v]
+        # Each volume: the disk's serial (_qemu_argv), how, and where it goes.
+        fields += [f"vol=hangar-vol{i},{'ro' if m.read_only else 'rw'},{m.destination}"
+                   for i, m in enumerate(spec.mounts)]  # fmt: skip
         path = d / "config"
         # The environment holds the sandbox's secrets: root's alone, never in QEMU's command line.
         fd = os.open(path.with_name(".config.tmp"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
@@ -295,6 +330,12 @@ class MicroVMLauncher(NetworkedMixin, AgentBackedLauncher):
             net = ["-netdev", f"tap,id=net0,ifname={TAP},script=no,downscript=no",
                    "-device", f"virtio-net-device,netdev=net0,mac={_mac(spec.id)}"]  # fmt: skip
         prefix = ["nsenter", f"--net={lease.netns_path}"] if lease is not None else []
+        # Volumes: each image a disk of its own, named by a serial the guest's /init looks for.
+        volumes_argv: list[str] = []
+        for i, m in enumerate(spec.mounts):
+            how = ",readonly=on" if m.read_only else ""
+            volumes_argv += ["-drive", f"id=vol{i},file={m.disk},format=raw,if=none,discard=unmap{how}",
+                             "-device", f"virtio-blk-device,drive=vol{i},serial=hangar-vol{i}"]  # fmt: skip
         return prefix + [
             self.qemu, "-name", f"hangar-{spec.id}", "-M", "microvm,x-option-roms=off",
             "-accel", accel, "-cpu", "host" if accel == "kvm" else "max",
@@ -302,8 +343,11 @@ class MicroVMLauncher(NetworkedMixin, AgentBackedLauncher):
             "-nodefaults", "-no-user-config", "-nographic", "-no-reboot",
             "-serial", f"file:{d / 'console.log'}",
             "-kernel", str(kern.vmlinuz), "-initrd", str(initrd), "-append", append,
-            "-drive", f"id=root,file={root},format=raw,if=none,readonly=on", "-device", "virtio-blk-device,drive=root",
-            "-drive", f"id=disk,file={disk},format=raw,if=none,discard=unmap", "-device", "virtio-blk-device,drive=disk",
+            "-drive", f"id=root,file={root},format=raw,if=none,readonly=on",
+            "-device", "virtio-blk-device,drive=root,serial=hangar-root",
+            "-drive", f"id=disk,file={disk},format=raw,if=none,discard=unmap",
+            "-device", "virtio-blk-device,drive=disk,serial=hangar-disk",
+            *volumes_argv,
             "-device", "virtio-serial-device",
             "-chardev", f"socket,id=agent,path={d / 'vm.sock'},server=on,wait=off",
             "-device", "virtserialport,chardev=agent,name=hangar",
@@ -355,7 +399,10 @@ class MicroVMLauncher(NetworkedMixin, AgentBackedLauncher):
     def suspend(self, handle: Handle, keep_files: bool = True) -> None:
         sandbox_id = handle["id"]
         with self._lock(sandbox_id):
-            self._stop_processes(self.handle_for(sandbox_id) | handle, graceful=keep_files)
+            handle = self.handle_for(sandbox_id) | handle
+            # Its volumes outlive it: what the guest holds for them is written out first.
+            self._stop_processes(handle, graceful=keep_files or bool(handle.get("disks")))
+            self._let_go_of_volumes(sandbox_id, handle.get("disks") or [])
             self._release_network(sandbox_id)
             if not keep_files:
                 (self._dir(sandbox_id) / "disk.img").unlink(missing_ok=True)
@@ -363,7 +410,9 @@ class MicroVMLauncher(NetworkedMixin, AgentBackedLauncher):
     def destroy(self, handle: Handle) -> None:
         sandbox_id = handle["id"]
         with self._lock(sandbox_id):
-            self._stop_processes(self.handle_for(sandbox_id) | handle)
+            handle = self.handle_for(sandbox_id) | handle
+            self._stop_processes(handle, graceful=bool(handle.get("disks")))
+            self._let_go_of_volumes(sandbox_id, handle.get("disks") or [])
             self._release_network(sandbox_id)
             shutil.rmtree(self._dir(sandbox_id), ignore_errors=True)
         with contextlib.suppress(OSError):

@@ -50,7 +50,8 @@ def cmd_h_create(args: argparse.Namespace) -> int:
     if args.repo:
         repo = {"url": args.repo, "branch": args.branch or "", "secret": args.repo_secret or ""}
     extra: dict[str, Any] = {
-        "command": args.command, "image": args.image, "cpu": args.cpu, "memory_mb": args.memory_mb,
+        "command": args.command, "image": args.image, "runtime": args.runtime, "cpu": args.cpu,
+        "memory_mb": args.memory_mb,
         "disk_mb": args.disk_mb, "secrets": args.secret or None, "env": pairs(args.env, "--env") or None,
         "idle_timeout_s": args.idle_timeout_s, "volume": args.volume,
         "network": {"egress": args.network} if args.network else None,
@@ -89,6 +90,7 @@ def cmd_h_get(args: argparse.Namespace) -> int:
         return 0
     fields = [("name", h["name"]), ("id", h["id"]), ("status", h["status"]), ("setup", h.get("setup")),
               ("agent", f"{h.get('agent')} {h.get('agent_version') or ''}".strip()), ("image", h.get("image")),
+              ("runtime", h.get("runtime")),
               ("repo", (h.get("repo") or {}).get("url")), ("sandbox", h.get("sandbox")),
               ("volume", h.get("volume_name")), ("ssh", h.get("ssh_command"))]  # fmt: skip
     if h.get("setup_error"):
@@ -304,6 +306,7 @@ def add_parsers(sub: argparse._SubParsersAction, common: argparse.ArgumentParser
     c.add_argument("--branch")
     c.add_argument("--repo-secret", metavar="SECRET", help="a team secret with the repository's token or key")
     c.add_argument("--image")
+    c.add_argument("--runtime", help="gvisor or microvm (default: the server's)")
     c.add_argument("--cpu", type=float)
     c.add_argument("--memory-mb", type=int)
     c.add_argument("--disk-mb", type=int, help="the workspace volume's size")

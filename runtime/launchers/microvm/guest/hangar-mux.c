@@ -18,7 +18,8 @@
  *   /init (PID 1 of the VM's initramfs)
  *       loads the virtio modules, mounts the sandbox's root (the image's read-only disk under
  *       an overlay whose upper layer is the sandbox's own disk), moves into it, takes the
- *       configuration from the host (its network included: eth0's address and route),
+ *       configuration from the host (its network included: eth0's address and route; its
+ *       volumes, each a disk named by its serial, mounted at their paths),
  *       starts the agent as PID 1 of a PID namespace of its own
  *       (the sandbox sees neither this process nor the kernel's threads), and then serves the
  *       guest's end of the port.
@@ -99,6 +100,8 @@ static volatile sig_atomic_t g_shutdown_req; /* host: SIGUSR1 asks the guest to 
 static int g_sigpipe[2] = {-1, -1};
 static pid_t g_agent_pid;          /* init: the agent's pid */
 static int g_is_init;
+static char *g_volumes[32];        /* init: the volumes mounted writable, to unmount at the end */
+static int g_nvolumes;
 
 static void logmsg(const char *fmt, ...)
 {
@@ -125,6 +128,18 @@ static void die(const char *what)
         reboot(RB_POWER_OFF);
     }
     exit(1);
+}
+
+/* The end of the VM, its processes gone: its writable volumes unmounted (or, still busy, made
+ * read-only), so each is clean on its disk (its journal written out) for whoever mounts it next,
+ * then everything synced. */
+static void volumes_down(void)
+{
+    for (int i = 0; i < g_nvolumes; i++)
+        if (umount2(g_volumes[i], 0) < 0 && mount(NULL, g_volumes[i], NULL, MS_REMOUNT | MS_RDONLY, NULL) < 0)
+            logmsg("volume at %s stays mounted: %s", g_volumes[i], strerror(errno));
+    g_nvolumes = 0;
+    sync();
 }
 
 static void buf_add(struct buf *b, const void *data, size_t len)
@@ -402,7 +417,7 @@ static void on_frame(int type, uint32_t id, const char *p, uint32_t len)
                 else
                     usleep(10000);
             }
-            sync(); /* what the sandbox wrote is on its disk before QEMU goes */
+            volumes_down(); /* what the sandbox wrote is on its disks before QEMU goes */
             send_frame(F_BYE, 0, NULL, 0);
         } else if (!g_host) {
             send_frame(F_BYE, 0, NULL, 0);
@@ -458,7 +473,7 @@ static void reap(void)
         if (g_is_init && pid == g_agent_pid) {
             /* The sandbox's agent is gone: so is the sandbox. */
             logmsg("the agent exited (status %d): powering off", status);
-            sync();
+            volumes_down();
             reboot(RB_POWER_OFF);
         }
     }
@@ -752,6 +767,91 @@ static int wait_path(const char *path, int ms)
     return -1;
 }
 
+/* The virtio disk whose serial (QEMU's serial= property) is SERIAL, as /dev/vdX in DEV, waiting
+ * up to MS for it to appear: the launcher names each disk, so the order QEMU's transports
+ * give them never matters. */
+static int find_disk(const char *serial, char *dev, size_t len, int ms)
+{
+    for (int waited = 0; waited <= ms; waited += 5) {
+        DIR *d = opendir("/sys/block");
+        struct dirent *e;
+        while (d && (e = readdir(d))) {
+            if (strncmp(e->d_name, "vd", 2) != 0)
+                continue;
+            char path[300], got[64];
+            snprintf(path, sizeof path, "/sys/block/%s/serial", e->d_name);
+            FILE *f = fopen(path, "re");
+            if (!f)
+                continue;
+            int ok = fgets(got, sizeof got, f) != NULL;
+            fclose(f);
+            got[strcspn(got, "\n")] = '\0';
+            if (ok && strcmp(got, serial) == 0) {
+                snprintf(dev, len, "/dev/%.32s", e->d_name);
+                closedir(d);
+                if (wait_path(dev, 2000) == 0)
+                    return 0;
+                return -1;
+            }
+        }
+        if (d)
+            closedir(d);
+        usleep(5000);
+    }
+    return -1;
+}
+
+static void mkdir_p(const char *path, mode_t mode)
+{
+    char buf[4096];
+    if (strlen(path) >= sizeof buf)
+        return;
+    strcpy(buf, path);
+    for (char *p = buf + 1; *p; p++) {
+        if (*p == '/') {
+            *p = '\0';
+            mkdir(buf, mode);
+            *p = '/';
+        }
+    }
+    mkdir(buf, mode);
+}
+
+/* A volume (the config's vol=SERIAL,ro|rw,PATH field): the disk named SERIAL holds an ext4
+ * filesystem (a Hangar volume's image), mounted at PATH, made if missing, with the options the
+ * node mounts volumes with for gVisor. A volume that cannot be mounted stops the boot, saying
+ * why on the console: a sandbox never starts without a volume it asked for. */
+static void mount_volume(const char *spec)
+{
+    const char *c1 = strchr(spec, ','), *c2 = c1 ? strchr(c1 + 1, ',') : NULL;
+    char serial[32], dev[64];
+    if (!c1 || !c2 || (size_t)(c1 - spec) >= sizeof serial || c2[1] != '/') {
+        logmsg("volume: bad field %s", spec);
+        die("volume");
+    }
+    memcpy(serial, spec, (size_t)(c1 - spec));
+    serial[c1 - spec] = '\0';
+    int ro = strncmp(c1 + 1, "ro,", 3) == 0;
+    const char *path = c2 + 1;
+    if (find_disk(serial, dev, sizeof dev, 5000) < 0) {
+        logmsg("volume at %s: no disk %s", path, serial);
+        die("volume");
+    }
+    mkdir_p(path, 0755);
+    /* Read-only, its journal is not replayed (that would write): what was last synced. */
+    if (mount(dev, path, "ext4", MS_NOSUID | MS_NODEV | (ro ? MS_RDONLY : 0), ro ? "noload" : "") < 0) {
+        logmsg("volume at %s (%s): %s", path, dev, strerror(errno));
+        die("volume");
+    }
+    if (!ro) {
+        if (g_nvolumes < (int)(sizeof g_volumes / sizeof *g_volumes))
+            g_volumes[g_nvolumes++] = strdup(path);
+        char lf[4200];
+        snprintf(lf, sizeof lf, "%s/lost+found", path);
+        rmdir(lf); /* mkfs's, when empty: the user's files only, as on the host */
+    }
+}
+
 /* The port QEMU names "hangar": /sys/class/virtio-ports/vportNpM/name says which it is. */
 static int open_port(void)
 {
@@ -952,11 +1052,12 @@ static int init_main(void)
     must_mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, NULL);
     must_mount("sysfs", "/sys", "sysfs", MS_NOSUID | MS_NODEV | MS_NOEXEC, NULL);
     load_modules();
-    if (wait_path("/dev/vda", 10000) < 0)
-        die("no /dev/vda (the image's disk)");
-    must_mount("/dev/vda", "/lower", "ext4", MS_RDONLY, "noload");
-    if (wait_path("/dev/vdb", 2000) == 0) {
-        must_mount("/dev/vdb", "/disk", "ext4", MS_NOATIME, "noinit_itable"); /* no zeroing in the background */
+    char root[64], disk[64];
+    if (find_disk("hangar-root", root, sizeof root, 10000) < 0)
+        die("no disk hangar-root (the image's)");
+    must_mount(root, "/lower", "ext4", MS_RDONLY, "noload");
+    if (find_disk("hangar-disk", disk, sizeof disk, 2000) == 0) {
+        must_mount(disk, "/disk", "ext4", MS_NOATIME, "noinit_itable"); /* no zeroing in the background */
     } else {
         must_mount("tmpfs", "/disk", "tmpfs", 0, "mode=0755");
     }
@@ -1007,6 +1108,8 @@ static int init_main(void)
             install_ca_bundle(f + 3);
         else if (strncmp(f, "net=", 4) == 0)
             network_up(f + 4);
+        else if (strncmp(f, "vol=", 4) == 0)
+            mount_volume(f + 4);
     }
     envp[k] = NULL;
     const char *cwd = "/";
