@@ -1,7 +1,9 @@
-"""A microVM's CPU quota on the host: QEMU's process (every vCPU thread and its own) in a cgroup
-of the sandbox's under the node's cgroup parent, with ``cpu`` × the period as its quota, so a
-sandbox asking for 1.5 CPUs runs two vCPUs that together get one and a half. cgroup v1 (the cpu
-controller's hierarchy) or v2 (unified)."""
+"""A microVM's CPU quota and memory limit on the host: QEMU's process (every vCPU thread and its
+own) in a cgroup of the sandbox's under the node's cgroup parent, with ``cpu`` × the period as
+its quota, so a sandbox asking for 1.5 CPUs runs two vCPUs that together get one and a half, and
+a memory limit of the guest's RAM plus QEMU's own allowance (its code, device buffers and, under
+TCG, translated code): the guest is bounded by its RAM, QEMU by this. cgroup v1 (the cpu and
+memory controllers' hierarchies) or v2 (unified)."""
 
 from __future__ import annotations
 
@@ -16,8 +18,8 @@ def _unified() -> bool:
     return (BASE / "cgroup.controllers").exists()
 
 
-def cgroup_dir(parent: str, sandbox_id: str) -> Path:
-    return (BASE if _unified() else BASE / "cpu") / parent / sandbox_id
+def cgroup_dir(parent: str, sandbox_id: str, controller: str = "cpu") -> Path:
+    return (BASE if _unified() else BASE / controller) / parent / sandbox_id
 
 
 def limit_cpu(parent: str, sandbox_id: str, pid: int, cpu: float) -> Path | None:
@@ -45,6 +47,55 @@ def limit_cpu(parent: str, sandbox_id: str, pid: int, cpu: float) -> Path | None
     return d
 
 
+def limit_memory(parent: str, sandbox_id: str, pid: int, limit_bytes: int) -> Path | None:
+    """Put ``pid`` in the sandbox's memory cgroup, limited to ``limit_bytes`` (no swap beyond
+    it); None where the host's cgroups cannot (no memory controller, not root)."""
+    d = cgroup_dir(parent, sandbox_id, "memory")
+    try:
+        if _unified():
+            with contextlib.suppress(OSError):
+                (BASE / "cgroup.subtree_control").write_text("+memory")
+            d.parent.mkdir(exist_ok=True)
+            with contextlib.suppress(OSError):
+                (d.parent / "cgroup.subtree_control").write_text("+memory")
+            d.mkdir(exist_ok=True)
+            (d / "memory.max").write_text(str(limit_bytes))
+            with contextlib.suppress(OSError):  # no swap accounting: nothing to bound
+                (d / "memory.swap.max").write_text("0")
+        else:
+            d.mkdir(parents=True, exist_ok=True)
+            (d / "memory.limit_in_bytes").write_text(str(limit_bytes))
+            with contextlib.suppress(OSError):
+                (d / "memory.memsw.limit_in_bytes").write_text(str(limit_bytes))
+            with contextlib.suppress(OSError):  # what QEMU touched before it joined comes with it
+                (d / "memory.move_charge_at_immigrate").write_text("3")
+        (d / "cgroup.procs").write_text(str(pid))
+    except OSError:
+        return None
+    return d
+
+
+def memory_limit(parent: str, sandbox_id: str) -> int | None:
+    """The bytes the sandbox's memory cgroup allows (None: no cgroup, or no limit)."""
+    d = cgroup_dir(parent, sandbox_id, "memory")
+    try:
+        text = (d / ("memory.max" if _unified() else "memory.limit_in_bytes")).read_text().strip()
+    except OSError:
+        return None
+    return None if text == "max" or int(text) >= 1 << 62 else int(text)
+
+
+def oom_killed(parent: str, sandbox_id: str) -> bool:
+    """Whether the kernel killed a process of the sandbox's memory cgroup for its limit."""
+    d = cgroup_dir(parent, sandbox_id, "memory")
+    try:
+        text = (d / ("memory.events" if _unified() else "memory.oom_control")).read_text()
+    except OSError:
+        return False
+    counts = dict(line.split()[:2] for line in text.splitlines() if len(line.split()) >= 2)
+    return int(counts.get("oom_kill", "0")) > 0
+
+
 def quota(parent: str, sandbox_id: str) -> float | None:
     """The CPUs the sandbox's cgroup allows (None: no cgroup, or no quota)."""
     d = cgroup_dir(parent, sandbox_id)
@@ -58,13 +109,16 @@ def quota(parent: str, sandbox_id: str) -> float | None:
         return None
 
 
-def pids(parent: str, sandbox_id: str) -> list[int]:
+def pids(parent: str, sandbox_id: str, controller: str = "cpu") -> list[int]:
     try:
-        return [int(p) for p in (cgroup_dir(parent, sandbox_id) / "cgroup.procs").read_text().split()]
+        return [
+            int(p) for p in (cgroup_dir(parent, sandbox_id, controller) / "cgroup.procs").read_text().split()
+        ]
     except (OSError, ValueError):
         return []
 
 
 def remove(parent: str, sandbox_id: str) -> None:
-    with contextlib.suppress(OSError):  # busy until QEMU is gone
-        cgroup_dir(parent, sandbox_id).rmdir()
+    for controller in ("cpu",) if _unified() else ("cpu", "memory"):
+        with contextlib.suppress(OSError):  # busy until QEMU is gone
+            cgroup_dir(parent, sandbox_id, controller).rmdir()

@@ -45,6 +45,10 @@ BOOT_TIMEOUT = 60.0  # under TCG on a busy node a boot takes seconds; with KVM w
 # (boot.tcg_args): a boot not up by then is still killed and tried once more.
 FIRST_BOOT_TIMEOUT = {"tcg": 20.0, "kvm": 10.0}
 OOM_MARK = b"Out of memory"
+# QEMU's memory beyond the guest's RAM (its memory cgroup's allowance): its own, and under TCG its
+# translated-code buffer, whose size it is told (the default would be 1 GiB).
+QEMU_OVERHEAD_MB = 96
+TCG_TB_MB = 128
 # Volumes a VM attaches (each a virtio-mmio transport; microvm has 24, four are the VM's own).
 MAX_VOLUMES = 16
 
@@ -117,6 +121,7 @@ class MicroVMLauncher(NetworkedMixin, AgentBackedLauncher):
         network_nameservers: tuple[str, ...] = (),
         gateway_port: int = 0,
         spare_disks: int = 0,
+        memory_overhead_mb: int = 0,
     ) -> None:
         super().__init__(state_dir=state_dir, agent_cache_dir=agent_cache_dir, ca_certs=ca_certs)
         if accel not in ("auto", "kvm", "tcg"):
@@ -125,6 +130,11 @@ class MicroVMLauncher(NetworkedMixin, AgentBackedLauncher):
         self.accel_setting = accel
         self.qemu = qemu or boot.QEMU
         self.default_disk_mb = disk_mb or 10240
+        if memory_overhead_mb < 0:
+            raise LauncherError(
+                f"microvm memory_overhead_mb must be 0 (the default) or more, not {memory_overhead_mb}"
+            )
+        self.memory_overhead_mb = memory_overhead_mb
         self.sandboxes_dir = self.state_dir / "sandboxes"
         self.boot_dir = self.state_dir / "boot"
         # Host-global names carry the node's id (the node's own, else one kept in this state dir).
@@ -289,6 +299,11 @@ class MicroVMLauncher(NetworkedMixin, AgentBackedLauncher):
         handle["qemu_pid"] = qemu.pid
         # The fraction of a CPU: its vCPUs (rounded up) together get no more than it asked for.
         cgroups.limit_cpu(self.cgroup_parent, handle["id"], qemu.pid, float(handle["cpu"]))
+        # The guest is bounded by its RAM; QEMU's own memory beyond it by its allowance.
+        overhead = self.overhead_mb(handle["accel"])
+        limit = (int(handle["memory_mb"]) + overhead) * 1024 * 1024
+        if cgroups.limit_memory(self.cgroup_parent, handle["id"], qemu.pid, limit) is not None:
+            handle["qemu_memory_limit_mb"] = int(handle["memory_mb"]) + overhead
         mux_argv = [str(boot.mux_binary(self.boot_dir)), "host", "--vm", str(d / "vm.sock"),
                     "--listen", str(d / "agent.sock"), "--config", str(d / "config")]  # fmt: skip
         with open(d / "mux.log", "wb") as mux_log:
@@ -297,6 +312,13 @@ class MicroVMLauncher(NetworkedMixin, AgentBackedLauncher):
         handle["mux_pid"] = mux.pid
         (d / "handle.json").write_text(json.dumps(handle))
         return qemu
+
+    def overhead_mb(self, accel: str) -> int:
+        """What QEMU may use beyond the guest's RAM: its own code and device buffers, and under
+        TCG the translated guest code (its buffer bounded by ``tb-size``, :data:`TCG_TB_MB`)."""
+        if self.memory_overhead_mb:
+            return self.memory_overhead_mb
+        return QEMU_OVERHEAD_MB + (TCG_TB_MB if accel == "tcg" else 0)
 
     def _write_config(self, d: Path, spec: SandboxSpec, lease: Lease | None = None) -> None:
         fields = [f"hostname={spec.hostname}", f"cwd={spec.working_dir or '/'}"]
@@ -338,7 +360,7 @@ class MicroVMLauncher(NetworkedMixin, AgentBackedLauncher):
                              "-device", f"virtio-blk-device,drive=vol{i},serial=hangar-vol{i}"]  # fmt: skip
         return prefix + [
             self.qemu, "-name", f"hangar-{spec.id}", "-M", "microvm,x-option-roms=off",
-            "-accel", accel, "-cpu", "host" if accel == "kvm" else "max",
+            "-accel", accel if accel == "kvm" else f"tcg,tb-size={TCG_TB_MB}", "-cpu", "host" if accel == "kvm" else "max",
             "-m", str(spec.memory_mb), "-smp", str(handle["vcpus"]),
             "-nodefaults", "-no-user-config", "-nographic", "-no-reboot",
             "-serial", f"file:{d / 'console.log'}",
@@ -360,7 +382,7 @@ class MicroVMLauncher(NetworkedMixin, AgentBackedLauncher):
         while time.monotonic() < deadline:
             if qemu.poll() is not None:
                 raise LauncherError(f"the microVM exited while booting (QEMU status {qemu.returncode}): "
-                                    f"{self._console_tail(handle)}")  # fmt: skip
+                                    f"{self._qemu_oom(handle) or self._console_tail(handle)}")  # fmt: skip
             try:
                 client.wait_listening(0.2)
                 return
@@ -445,7 +467,15 @@ class MicroVMLauncher(NetworkedMixin, AgentBackedLauncher):
         if OOM_MARK in console:
             return (f"out of memory: the sandbox exceeded its memory limit of {handle.get('memory_mb', '?')} MB "
                     "and was killed")  # fmt: skip
-        return "the sandbox's virtual machine stopped"
+        return self._qemu_oom(handle) or "the sandbox's virtual machine stopped"
+
+    def _qemu_oom(self, handle: Handle) -> str | None:
+        """Why QEMU went, where its memory cgroup's limit killed it."""
+        if not cgroups.oom_killed(self.cgroup_parent, handle["id"]):
+            return None
+        return (f"out of memory: the sandbox's virtual machine (QEMU) went over its limit of "
+                f"{handle.get('qemu_memory_limit_mb', '?')} MB (the sandbox's {handle.get('memory_mb', '?')} MB "
+                "and QEMU's own allowance) and was killed")  # fmt: skip
 
     def states(self) -> dict[str, RuntimeState]:
         if not self.sandboxes_dir.exists():

@@ -14,7 +14,7 @@ import pytest
 
 from runtime.launchers.base import ExecRequest, LauncherError, Mount, SandboxSpec
 from runtime.launchers.microvm import boot, cgroups
-from runtime.launchers.microvm.launcher import MicroVMLauncher
+from runtime.launchers.microvm.launcher import TCG_TB_MB, MicroVMLauncher
 from tests.launchers.helpers import make_launcher, remove_all
 
 pytestmark = [
@@ -96,6 +96,30 @@ def test_vcpus_and_memory_are_what_was_asked(launcher, vm):
 def test_a_fractional_cpu_is_a_quota_on_qemu_s_vcpus(launcher, vm):
     assert cgroups.quota(launcher.cgroup_parent, vm["id"]) == 1.5
     assert vm["qemu_pid"] in cgroups.pids(launcher.cgroup_parent, vm["id"])
+
+
+def test_qemu_is_in_a_memory_cgroup_of_the_guest_s_ram_and_its_own_allowance(launcher, vm):
+    overhead = launcher.overhead_mb(vm["accel"])
+    assert cgroups.memory_limit(launcher.cgroup_parent, vm["id"]) == (192 + overhead) * 1024 * 1024
+    assert vm["qemu_pid"] in cgroups.pids(launcher.cgroup_parent, vm["id"], "memory")
+    assert vm["qemu_memory_limit_mb"] == 192 + overhead
+    if vm["accel"] == "tcg":  # its translated code's buffer, bounded (QEMU's default is 1 GiB)
+        assert f"tcg,tb-size={TCG_TB_MB}" in Path(f"/proc/{vm['qemu_pid']}/cmdline").read_text().replace(
+            "\0", " "
+        )
+
+
+def test_qemu_over_its_allowance_is_killed_and_says_so(tmp_path_factory, agent_cache_dir, busybox):
+    """A 128 MB guest's QEMU uses ~200 MB under TCG as it boots (the guest's RAM it touches, its
+    own code, translated code): with an allowance of 16 MB the cgroup's limit kills it."""
+    tight = make_launcher(
+        "microvm", tmp_path_factory.mktemp("microvm-tight"), agent_cache_dir, memory_overhead_mb=16
+    )
+    try:
+        with pytest.raises(LauncherError, match=r"QEMU\) went over its limit of 144 MB"):
+            tight.create(spec(busybox, memory_mb=128))
+    finally:
+        remove_all(tight)
 
 
 def test_the_sandbox_sees_only_its_own_processes(launcher, vm):
