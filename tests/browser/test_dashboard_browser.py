@@ -121,6 +121,35 @@ def test_sign_in_create_a_sandbox_and_use_its_terminal(page):
     page.screenshot(path=SHOTS / "03-terminal-resized.png")
 
 
+@pytest.mark.slow
+def test_a_microvm_sandbox_from_the_create_form_and_its_terminal(page):
+    """The create form's runtime select, a microVM (under TCG here) booted from it, and its
+    terminal in the browser: the guest's own kernel answers."""
+    from runtime.launchers.microvm import boot
+
+    if boot.missing() is not None:
+        pytest.skip(f"no microVM support here: {boot.missing()}")
+    sign_in(page)
+    page.goto("/sandboxes/")
+    page.select_option("#id_runtime", "microvm")
+    page.fill("#id_memory_mb", "256")
+    page.click("#create-form button[type=submit]")
+    page.wait_for_url(re.compile(r"/sandboxes/sb[0-9a-z]+/"))
+    page.wait_for_selector('#sb-header[data-status="running"]', timeout=90_000)
+    assert "microvm" in page.inner_text("#sb-header")
+
+    page.goto(page.url.split("?")[0] + "?tab=terminal")
+    page.wait_for_selector('#term-status[data-state="connected"]')
+    page.click("#terminal")
+    page.keyboard.type("echo kernel=$(uname -r)=")
+    page.keyboard.press("Enter")
+    wait_for_terminal(page, rf"^kernel={re.escape(boot.kernel().version)}=\s*$")
+    page.screenshot(path=SHOTS / "04-microvm-terminal.png")
+    page.on("dialog", lambda d: d.accept())
+    page.click("#delete-button")  # the VM goes now, not when the run's node cleans up
+    page.wait_for_selector('#sb-header[data-status="deleted"]')
+
+
 def test_commands_tab_streams_output_and_keeps_history(page):
     sign_in(page)
     sandbox_id = create_sandbox(page)
