@@ -19,12 +19,14 @@ No Django here: ids and sizes in, paths and numbers out.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import shutil
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from .locks import file_lock
 
@@ -191,22 +193,41 @@ def _start_time(pid: int) -> str | None:
     return fields[19].decode() if len(fields) > 19 and fields[0] != b"Z" else None
 
 
-def holder(image: Path) -> str | None:
-    """The sandbox whose live process has the volume's image as a disk, if any."""
+def _holder_record(image: Path) -> dict[str, Any]:
     try:
-        pid, start, sandbox_id = holder_path(image).read_text().split()
-        return sandbox_id if _start_time(int(pid)) == start else None
+        record = json.loads(holder_path(image).read_text())
     except (OSError, ValueError):
+        return {}
+    return record if isinstance(record, dict) else {}
+
+
+def holder(image: Path) -> str | None:
+    """The sandbox that has the volume's image as a disk, if any: while its process (a VM's
+    QEMU) lives, or while the checkpoint of its VM, which has the volume mounted in its saved
+    memory, is kept."""
+    record = _holder_record(image)
+    sandbox_id = record.get("sandbox")
+    if not isinstance(sandbox_id, str):
         return None
+    if "checkpoint" in record:
+        return sandbox_id if Path(str(record["checkpoint"])).exists() else None
+    try:
+        return sandbox_id if _start_time(int(record["pid"])) == record.get("start") else None
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
+def _write_record(image: Path, record: dict[str, Any]) -> None:
+    tmp = holder_path(image).with_suffix(".holder.tmp")
+    tmp.write_text(json.dumps(record) + "\n")
+    os.replace(tmp, holder_path(image))
 
 
 def _write_holder(image: Path, sandbox_id: str, pid: int) -> None:
     start = _start_time(pid)
     if start is None:
         raise VolumeError(f"process {pid} is not running")
-    tmp = holder_path(image).with_suffix(".holder.tmp")
-    tmp.write_text(f"{pid} {start} {sandbox_id}\n")
-    os.replace(tmp, holder_path(image))
+    _write_record(image, {"sandbox": sandbox_id, "pid": pid, "start": start})
 
 
 def hold(image: Path, sandbox_id: str, pid: int) -> None:
@@ -221,14 +242,21 @@ def hold(image: Path, sandbox_id: str, pid: int) -> None:
         _write_holder(image, sandbox_id, pid)
 
 
+def hold_for_checkpoint(image: Path, sandbox_id: str, checkpoint: Path) -> None:
+    """``sandbox_id``'s VM was saved with the volume mounted: it stays held while the checkpoint
+    is kept (a filesystem changed meanwhile would not be the one its restored kernel knows)."""
+    with _image_lock(image):
+        held = holder(image)
+        if held is not None and held != sandbox_id:
+            raise VolumeError(f"volume {image.stem} is attached as a disk to microVM sandbox {held}")
+        _write_record(image, {"sandbox": sandbox_id, "checkpoint": str(checkpoint)})
+
+
 def let_go(image: Path, sandbox_id: str) -> None:
     """``sandbox_id`` no longer has the image as a disk (its VM has stopped)."""
     with _image_lock(image):
-        try:
-            if holder_path(image).read_text().split()[2] == sandbox_id:
-                holder_path(image).unlink()
-        except (OSError, IndexError):
-            pass
+        if _holder_record(image).get("sandbox") == sandbox_id:
+            holder_path(image).unlink(missing_ok=True)
 
 
 def superblock_usage(image: Path) -> VolumeUsage:

@@ -64,6 +64,43 @@ def test_a_microvm_holds_its_volume_alone_and_leaves_it_whole(api):
     assert api.delete("/volumes/vmwork").status_code == 204
 
 
+def test_a_microvm_paused_in_checkpoint_mode_keeps_its_processes_and_volume(api):
+    """Through the API: QEMU saves the VM (memory and devices) and a resume continues it; a
+    background process keeps its count in memory and its output stream, a volume stays the
+    paused sandbox's (its saved kernel has it mounted)."""
+    from tests.api.test_pause_api import _output
+
+    assert api.post("/volumes", json={"name": "ckpt", "size_mb": 32}).status_code == 201
+    sb = create(
+        api, runtime="microvm", pause_mode="checkpoint", volumes=[{"volume": "ckpt", "mount_path": "/keep"}]
+    )
+    sid = sb["id"]
+    counter = api.post(f"/sandboxes/{sid}/exec", json={
+        "cmd": "i=0; while :; do i=$((i+1)); echo $i; echo $i > /root/c.new; mv /root/c.new /root/count; sleep 0.1; done",
+        "background": True}).json()  # fmt: skip
+    wait_until(lambda: _output(api, sid, counter["id"]).count("\n") >= 3, 30, what="the counter to count")
+    for cycle in (1, 2):
+        assert run(api, sid, f"echo vol-{cycle} >> /keep/log")["exit_code"] == 0
+        before = int(run(api, sid, "cat /root/count")["stdout"])
+        r = api.post(f"/sandboxes/{sid}/pause", json={})
+        assert r.status_code == 200 and r.json()["paused_mode"] == "checkpoint", r.text
+        r = api.post(
+            "/sandboxes", json={"image": "busybox", "volumes": [{"volume": "ckpt", "mount_path": "/k"}]}
+        )
+        assert r.status_code == 409, r.text
+        r = api.post(f"/sandboxes/{sid}/resume", json={})
+        assert r.status_code == 200 and r.json()["status"] == "running", r.text
+        assert "from its checkpoint" in r.json()["status_reason"], r.json()
+        after = int(run(api, sid, "cat /root/count")["stdout"])
+        assert before <= after < before + 40, (before, after)  # counting on, not from 1
+        assert run(api, sid, "cat /keep/log")["stdout"] == "".join(f"vol-{c}\n" for c in range(1, cycle + 1))
+    wait_until(lambda: int(_output(api, sid, counter["id"]).split()[-1]) > after, 30, what="the stream to go on")
+    numbers = [int(n) for n in _output(api, sid, counter["id"]).split()]
+    assert numbers == list(range(1, len(numbers) + 1))  # one stream, whole, over both pauses
+    delete_and_wait(api, sid)
+    assert api.delete("/volumes/ckpt").status_code == 204
+
+
 def test_a_harness_runs_its_agent_in_a_microvm(api, minimal_image, git_server):
     h = create_harness(api, name="vm", runtime="microvm", repo={"url": git_server})
     assert h["runtime"] == "microvm"

@@ -5,6 +5,7 @@ VM itself is tests/launchers/microvm/test_volumes.py)."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 from collections.abc import Iterator
@@ -50,7 +51,7 @@ def test_a_held_volume_is_not_mounted_on_the_host_nor_attached_to_another_vm(sto
         store.attach_as_disk(VOL, "sbtwo")
     # The same sandbox's start retried while its VM runs: the VM keeps holding it.
     store.attach_as_disk(VOL, "sbone")
-    assert volumes.holder_path(image).read_text().split()[0] == str(process.pid)
+    assert json.loads(volumes.holder_path(image).read_text())["pid"] == process.pid
     with pytest.raises(VolumeError, match="sbone"):
         volumes.hold(image, "sbtwo", os.getpid())
     with pytest.raises(VolumeError, match="sbone"):
@@ -62,10 +63,26 @@ def test_a_held_volume_is_not_mounted_on_the_host_nor_attached_to_another_vm(sto
     assert (store.mount(VOL) / ".").is_dir()
 
 
+def test_a_checkpoint_holds_its_volumes_while_it_is_kept(store, tmp_path):
+    """A VM saved with the volume mounted: a filesystem changed meanwhile would not be the one
+    its restored kernel knows."""
+    checkpoint = tmp_path / "checkpoint.img"
+    checkpoint.write_bytes(b"state")
+    volumes.hold_for_checkpoint(store.image(VOL), "sbsaved", checkpoint)
+    assert volumes.holder(store.image(VOL)) == "sbsaved"
+    with pytest.raises(VolumeError, match="sbsaved"):
+        store.mount(VOL)
+    assert store.usage(VOL).total_bytes > 0  # from the superblock
+    checkpoint.unlink()  # restored (or the sandbox deleted): nothing holds it
+    assert volumes.holder(store.image(VOL)) is None
+    assert store.mount(VOL).is_dir()
+
+
 def test_a_holder_whose_process_is_gone_holds_nothing(store):
-    p = subprocess.Popen(["true"])
-    pid = p.pid
-    volumes.hold(store.image(VOL), "sbgone", pid)  # running, or a zombie until waited for
+    p = subprocess.Popen(["sleep", "30"])
+    volumes.hold(store.image(VOL), "sbgone", p.pid)
+    assert volumes.holder(store.image(VOL)) == "sbgone"
+    p.kill()
     p.wait()
     assert volumes.holder(store.image(VOL)) is None
     assert store.mount(VOL).is_dir()

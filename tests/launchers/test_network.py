@@ -8,6 +8,7 @@ contacted. What only one runtime has is tested under tests/launchers/<name>/test
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import shutil
 import socket
 import subprocess
@@ -204,6 +205,40 @@ def test_a_paused_sandbox_gets_its_network_back_when_it_starts_again(launcher, b
         h = launcher.create(spec)
         assert fetch(launcher, h, f"http://{A}:8080/") == "server-a\n"
         assert fetch(launcher, h, f"http://{B}:8080/") is None
+    finally:
+        launcher.destroy(launcher.handle_for(spec.id))
+
+
+def test_a_checkpointed_sandbox_is_restored_onto_a_network_of_that_moment(launcher, busybox, world):
+    """Checkpointed, a sandbox holds no addresses; its address goes to the next sandbox, and the
+    restored one takes the network of its restore (another address), its processes running on."""
+    if not launcher.capabilities().checkpoint:
+        pytest.skip(f"the {launcher.name} runtime has no checkpoints")
+    spec = SandboxSpec(id="n" + uuid.uuid4().hex[:12], rootfs=busybox.rootfs, memory_mb=256,
+                       network={"egress": "allowlist", "allow": [f"{A}:8080"]})  # fmt: skip
+    h = launcher.create(spec)
+    try:
+        net = launcher.network  # type: ignore[attr-defined]
+        first = net.lease_of(spec.id)
+        launcher.exec(h, ExecRequest(argv=["sh", "-c", "sleep 600 >/dev/null 2>&1 &"]))
+        launcher.checkpoint(h)
+        assert net.lease_of(spec.id) is None
+        # A sandbox whose first choice of slot is that one (a lease starts at a slot its id picks).
+        taker = next(i for i in ("n" + uuid.uuid4().hex[:12] for _ in range(10**6))
+                     if int(hashlib.sha1(i.encode()).hexdigest(), 16) % net.slots == first.index)  # fmt: skip
+        launcher.create(
+            SandboxSpec(id=taker, rootfs=busybox.rootfs, memory_mb=128, network={"egress": "none"})
+        )
+        try:
+            assert net.lease_of(taker).sandbox_ip == first.sandbox_ip
+            h = launcher.restore(spec)
+        finally:
+            launcher.destroy(launcher.handle_for(taker))
+        assert net.lease_of(spec.id).sandbox_ip != first.sandbox_ip
+        assert fetch(launcher, h, f"http://{A}:8080/") == "server-a\n"
+        assert fetch(launcher, h, f"http://{B}:8080/") is None
+        ps = launcher.exec(h, ExecRequest(argv=["ps", "-o", "args"])).stdout
+        assert b"sleep 600" in ps  # the same processes, not a fresh start
     finally:
         launcher.destroy(launcher.handle_for(spec.id))
 

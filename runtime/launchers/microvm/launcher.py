@@ -36,7 +36,7 @@ from ..base import (
     SandboxSpec,
     Stats,
 )
-from . import boot, cgroups
+from . import boot, cgroups, snapshots
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +49,8 @@ OOM_MARK = b"Out of memory"
 # translated-code buffer, whose size it is told (the default would be 1 GiB).
 QEMU_OVERHEAD_MB = 96
 TCG_TB_MB = 128
+# Saving a VM writes about the RAM its guest has touched: seconds, even on a busy node.
+CHECKPOINT_TIMEOUT = 120.0
 # Volumes a VM attaches (each a virtio-mmio transport; microvm has 24, four are the VM's own).
 MAX_VOLUMES = 16
 
@@ -163,7 +165,7 @@ class MicroVMLauncher(NetworkedMixin, AgentBackedLauncher):
         return self._accel
 
     def capabilities(self) -> Capabilities:
-        return Capabilities(network=self._network_available(), checkpoint=False, kvm=self.accel() == "kvm",
+        return Capabilities(network=self._network_available(), checkpoint=True, kvm=self.accel() == "kvm",
                             max_command_bytes=MAX_PAYLOAD, vm=True)  # fmt: skip
 
     def _network_available(self) -> bool:
@@ -223,6 +225,7 @@ class MicroVMLauncher(NetworkedMixin, AgentBackedLauncher):
             root = boot.root_disk(self.boot_dir, spec.rootfs)
             d.mkdir(parents=True, exist_ok=True)
             os.chmod(d, 0o700)
+            snapshots.discard(d)  # a checkpoint it was paused with is of no use once it starts afresh
             disk = d / "disk.img"
             size_mb = spec.disk_mb if spec.disk_mb else self.default_disk_mb
             if not disk.exists():  # kept from a suspend: the sandbox's files
@@ -286,13 +289,18 @@ class MicroVMLauncher(NetworkedMixin, AgentBackedLauncher):
         for image in disks:
             volumes.let_go(Path(image), sandbox_id)
 
-    def _start(self, d: Path, handle: Handle, argv: list[str]) -> subprocess.Popen[bytes]:
-        """QEMU and the node's end of the mux, each in a session of its own; the handle persisted."""
-        for name in ("vm.sock", "agent.sock", "console.log"):
+    def _start(
+        self, d: Path, handle: Handle, argv: list[str], extra: tuple[str, ...] = ()
+    ) -> subprocess.Popen[bytes]:
+        """QEMU (``argv``, and ``extra`` arguments for this start only) and the node's end of the
+        mux, each in a session of its own; the handle persisted, with ``argv`` (a checkpoint's
+        restore starts QEMU the same way)."""
+        for name in ("vm.sock", "agent.sock", "qmp.sock", "console.log"):
             (d / name).unlink(missing_ok=True)
+        handle["argv"] = argv
         try:
             with open(d / "qemu.log", "wb") as qemu_log:
-                qemu = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                qemu = subprocess.Popen([*argv, *extra], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                         stderr=qemu_log, start_new_session=True, cwd=d)  # fmt: skip
         except OSError as exc:
             raise LauncherError(f"cannot start QEMU ({self.qemu}): {exc}") from exc
@@ -321,7 +329,12 @@ class MicroVMLauncher(NetworkedMixin, AgentBackedLauncher):
         return QEMU_OVERHEAD_MB + (TCG_TB_MB if accel == "tcg" else 0)
 
     def _write_config(self, d: Path, spec: SandboxSpec, lease: Lease | None = None) -> None:
-        fields = [f"hostname={spec.hostname}", f"cwd={spec.working_dir or '/'}"]
+        now = time.time_ns()  # the guest's clock (a restored VM's would be the moment it was saved)
+        fields = [
+            f"hostname={spec.hostname}",
+            f"cwd={spec.working_dir or '/'}",
+            f"time={now // 10**9}.{now % 10**9:09d}",
+        ]
         if lease is not None:  # the guest's eth0: its address and prefix, and its gateway
             fields.append(f"net={lease.sandbox_ip}/{lease.prefix},{lease.host_ip}")
         env = dict(spec.env)
@@ -373,6 +386,7 @@ class MicroVMLauncher(NetworkedMixin, AgentBackedLauncher):
             "-device", "virtio-serial-device",
             "-chardev", f"socket,id=agent,path={d / 'vm.sock'},server=on,wait=off",
             "-device", "virtserialport,chardev=agent,name=hangar",
+            "-qmp", f"unix:{d / 'qmp.sock'},server=on,wait=off",
             *net,
         ]  # fmt: skip
 
@@ -417,6 +431,94 @@ class MicroVMLauncher(NetworkedMixin, AgentBackedLauncher):
         sandbox holds none, and its next start makes them afresh."""
         if self.network.lease_of(sandbox_id) is not None:
             self.network.teardown(sandbox_id)
+
+    # -- checkpoint and restore (see snapshots.py) ---------------------------------------------
+
+    def checkpoint(self, handle: Handle) -> None:
+        sandbox_id = handle["id"]
+        with self._lock(sandbox_id):
+            handle = self.handle_for(sandbox_id) | handle
+            d = self._dir(sandbox_id)
+            saved = d / snapshots.IMAGE
+            if not self._running(handle):
+                if saved.exists() and (d / snapshots.META).exists():  # a repeated call: finish releasing
+                    self._stop_processes(handle)
+                    self._release_network(sandbox_id)
+                    return
+                raise SandboxNotRunning(f"sandbox {sandbox_id} is not running: there is nothing to checkpoint",
+                                        reason=self.state(handle).reason)  # fmt: skip
+            disks = handle.get("disks") or []
+            try:
+                # The agent lets go of its connections (the mux's streams, which a restore starts
+                # afresh): detachable commands run on, detached, and are picked up after it.
+                self.agent(handle).quiesce()
+                started = time.monotonic()
+                snapshots.save(d / "qmp.sock", saved, timeout=CHECKPOINT_TIMEOUT)
+                (d / snapshots.META).write_text(json.dumps({
+                    "argv": handle["argv"], "network": self.network.lease_of(sandbox_id) is not None,
+                    "disks": disks, "memory_mb": handle["memory_mb"], "cpu": handle["cpu"],
+                    "vcpus": handle["vcpus"], "accel": handle["accel"]}))  # fmt: skip
+                for image in disks:  # held by the checkpoint now, not by QEMU
+                    volumes.hold_for_checkpoint(Path(image), sandbox_id, saved)
+            except (LauncherError, AgentError, volumes.VolumeError, OSError) as exc:
+                # As runsc does: a checkpoint that failed leaves the sandbox stopped, its files kept.
+                self._stop_processes(handle, graceful=True)
+                self._let_go_of_volumes(sandbox_id, disks)
+                self._release_network(sandbox_id)
+                snapshots.discard(d)
+                raise LauncherError(f"the microVM could not be saved: {exc}") from None
+            self._stop_processes(handle)  # QEMU (stopped, its state saved) and the mux
+            self._release_network(sandbox_id)
+            log.info("microVM %s saved in %.2f s (%.0f MB)", sandbox_id, time.monotonic() - started,
+                     saved.stat().st_size / 1e6)  # fmt: skip
+
+    def restore(self, spec: SandboxSpec) -> Handle:
+        d = self._dir(spec.id)
+        policy = self._policy(spec.network)
+        self._check_mounts(spec)
+        with self._lock(spec.id):
+            saved = d / snapshots.IMAGE
+            try:
+                record = json.loads((d / snapshots.META).read_text())
+            except (OSError, ValueError):
+                record = None
+            if record is None or not saved.exists():
+                raise LauncherError(f"sandbox {spec.id} has no checkpoint to restore")
+            disks = [m.disk for m in spec.mounts]
+            networked = bool(policy.enabled or spec.network)
+            why = ("its network changed while it was paused" if networked != record.get("network") else
+                   "its volumes changed while it was paused" if disks != record.get("disks") else
+                   "its memory or CPUs changed while it was paused"
+                   if (spec.memory_mb, max(1, math.ceil(spec.cpu))) != (record.get("memory_mb"), record.get("vcpus"))
+                   else "")  # fmt: skip
+            if why:
+                snapshots.discard(d)
+                raise LauncherError(f"the checkpoint of {spec.id} cannot be restored: {why}")
+            handle: Handle = {"id": spec.id, "runtime": self.name, "dir": str(d), "memory_mb": spec.memory_mb,
+                              "cpu": spec.cpu, "vcpus": record["vcpus"], "accel": record["accel"], "disks": disks}  # fmt: skip
+            lease: Lease | None = None
+            names: dict[str, list[str]] = {}
+            try:
+                if networked:
+                    lease, names = self.network.setup(spec.id, policy, tap=True)
+                # The guest takes the clock and this network's addresses from it (hangar-mux).
+                self._write_config(d, spec, lease)
+                qemu = self._start(d, handle, list(record["argv"]), tuple(snapshots.incoming(saved)))
+                self._hold_volumes(handle, qemu.pid)
+                snapshots.resume(d / "qmp.sock", lambda: qemu.poll() is None, BOOT_TIMEOUT)
+                self._wait_up(handle, qemu, BOOT_TIMEOUT)
+            except BaseException as exc:
+                self._stop_processes(handle)
+                self._release_network(spec.id)
+                self._let_go_of_volumes(spec.id, disks)
+                snapshots.discard(d)  # (the base's contract: a restore that fails discards it)
+                if isinstance(exc, LauncherError):
+                    raise LauncherError(f"the microVM could not be restored: {exc}") from None
+                raise
+            snapshots.discard(d)  # it runs on from here: the saved state is past
+            if lease is not None:
+                self._write_resolution(spec.id, policy, names)
+            return handle
 
     def suspend(self, handle: Handle, keep_files: bool = True) -> None:
         sandbox_id = handle["id"]

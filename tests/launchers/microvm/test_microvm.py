@@ -161,7 +161,7 @@ def test_a_fresh_launcher_re_adopts_the_running_vm(launcher, vm, agent_cache_dir
 def test_what_a_spec_asks_beyond_the_runtime_is_refused(launcher, busybox, tmp_path):
     with pytest.raises(LauncherError, match="volumes as disks"):  # a bind mount: gVisor's kind
         launcher.create(spec(busybox, mounts=(Mount(str(tmp_path), "/data"),)))
-    with pytest.raises(LauncherError, match="cannot checkpoint"):
+    with pytest.raises(LauncherError, match="is not running: there is nothing to checkpoint"):
         launcher.checkpoint({"id": "x"})
 
 

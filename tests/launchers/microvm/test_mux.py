@@ -184,3 +184,13 @@ def test_the_host_end_exits_when_the_port_closes(pair):
     pair.guest.kill()
     pair.guest.wait()
     assert pair.host.wait(timeout=10) == 0
+
+
+def test_a_close_the_client_waits_for_reaches_it_at_once(pair):
+    """The agent's answer to a quiesce and its close arrive at the host together, and the client
+    waits for that close with nothing of its own to send: the host end passes the half-close on
+    at once, not only when the stream next has something to do (before, the client waited out
+    its timeout and a microVM's checkpoint failed)."""
+    started = time.monotonic()
+    pair.client.quiesce()
+    assert time.monotonic() - started < 3

@@ -102,6 +102,7 @@ static pid_t g_agent_pid;          /* init: the agent's pid */
 static int g_is_init;
 static char *g_volumes[32];        /* init: the volumes mounted writable, to unmount at the end */
 static int g_nvolumes;
+static void reconfigure(const char *cfg, size_t len);
 
 static void logmsg(const char *fmt, ...)
 {
@@ -381,8 +382,26 @@ static void on_frame(int type, uint32_t id, const char *p, uint32_t len)
     case F_CONFIG: /* a (re)connected host: whatever streams there were are gone */
         if (!g_host) {
             reset_all();
-            if (g_ready)
+            if (g_is_init && len) {
+                char *cfg = malloc(len + 1);
+                if (cfg) {
+                    memcpy(cfg, p, len);
+                    cfg[len] = '\0';
+                    reconfigure(cfg, len);
+                    free(cfg);
+                }
+                /* A VM restored from a checkpoint: its agent was quiesced before it was saved
+                 * (it stopped listening, its detachable commands let go of their streams), and
+                 * listens again now (one listening already takes no notice). */
+                if (g_agent_pid > 0)
+                    kill(g_agent_pid, SIGUSR2);
+            }
+            /* Ready again once the agent listens (a quiesced one has let go of its socket):
+             * the loop says HELLO then. */
+            if (g_ready && access(g_agent_path, F_OK) == 0)
                 send_frame(F_HELLO, 0, NULL, 0);
+            else
+                g_ready = 0;
         }
         break;
     case F_OPEN:
@@ -400,6 +419,12 @@ static void on_frame(int type, uint32_t id, const char *p, uint32_t len)
     case F_CLOSE:
         if (s) {
             s->peer_eof = 1;
+            /* Nothing left to write: the half-close goes on now (the loop passes it on only
+             * for a stream with events, and a reader waiting for this EOF makes none). */
+            if (s->out.len == 0 && !s->wr_shut) {
+                shutdown(s->fd, SHUT_WR);
+                s->wr_shut = 1;
+            }
             stream_maybe_done(s);
         }
         break;
@@ -529,7 +554,7 @@ static void serve(void)
             pfd[n] = (struct pollfd){.fd = ev ? s->fd : -1, .events = ev};
             pst[n++] = s;
         }
-        int rc = poll(pfd, n, 1000);
+        int rc = poll(pfd, n, g_host || g_ready ? 1000 : 10); /* not ready: watch for the agent's socket */
         if (rc < 0) {
             if (errno == EINTR)
                 continue;
@@ -975,9 +1000,25 @@ static void network_up(const char *spec)
         return;
     struct ifreq ifr;
     struct sockaddr_in *sin = (struct sockaddr_in *)&ifr.ifr_addr;
+    struct in_addr want;
+    inet_pton(AF_INET, addr, &want);
+    /* Configured already (a restored VM, given its network again): the same address is left
+     * alone; another (a new lease on the new node's network) replaces it, the interface taken
+     * down first so its old routes and neighbours (the old gateway's MAC) go with it. */
+    memset(&ifr, 0, sizeof ifr);
+    strcpy(ifr.ifr_name, "eth0");
+    if (ioctl(s, SIOCGIFADDR, &ifr) == 0) {
+        if (sin->sin_addr.s_addr == want.s_addr)
+            goto route;
+        memset(&ifr, 0, sizeof ifr);
+        if (if_ioctl(s, SIOCGIFFLAGS, &ifr, "flags") == 0) {
+            ifr.ifr_flags &= ~IFF_UP;
+            if_ioctl(s, SIOCSIFFLAGS, &ifr, "down");
+        }
+    }
     memset(&ifr, 0, sizeof ifr);
     sin->sin_family = AF_INET;
-    inet_pton(AF_INET, addr, &sin->sin_addr);
+    sin->sin_addr = want;
     if (if_ioctl(s, SIOCSIFADDR, &ifr, "address") < 0)
         goto out;
     memset(&ifr, 0, sizeof ifr);
@@ -991,6 +1032,7 @@ static void network_up(const char *spec)
     ifr.ifr_flags |= IFF_UP | IFF_RUNNING;
     if (if_ioctl(s, SIOCSIFFLAGS, &ifr, "up") < 0)
         goto out;
+route:;
     struct rtentry rt;
     memset(&rt, 0, sizeof rt);
     ((struct sockaddr_in *)&rt.rt_dst)->sin_family = AF_INET;
@@ -1000,10 +1042,36 @@ static void network_up(const char *spec)
     inet_pton(AF_INET, gw, &g->sin_addr);
     rt.rt_flags = RTF_UP | RTF_GATEWAY;
     rt.rt_dev = (char *)"eth0";
-    if (ioctl(s, SIOCADDRT, &rt) < 0)
+    if (ioctl(s, SIOCADDRT, &rt) < 0 && errno != EEXIST)
         logmsg("default route via %s: %s", gw, strerror(errno));
 out:
     close(s);
+}
+
+/* The host's clock (the config's time=SECONDS.NANOSECONDS field): a VM restored from a
+ * checkpoint would otherwise go on from the moment it was saved. */
+static void clock_from_host(const char *spec)
+{
+    long long sec = 0, nsec = 0;
+    if (sscanf(spec, "%lld.%lld", &sec, &nsec) < 1)
+        return;
+    struct timespec ts = {.tv_sec = (time_t)sec, .tv_nsec = nsec};
+    if (clock_settime(CLOCK_REALTIME, &ts) < 0)
+        logmsg("clock: %s", strerror(errno));
+}
+
+/* A CONFIG frame from a host that connected again (the mux restarted, or the VM restored from
+ * a checkpoint on a node's network of this moment): the clock and the network follow it; the
+ * rest (environment, volumes, hostname) is the running sandbox's already. */
+static void reconfigure(const char *cfg, size_t len)
+{
+    for (size_t i = 0; i < len; i += strlen(cfg + i) + 1) {
+        const char *f = cfg + i;
+        if (strncmp(f, "time=", 5) == 0)
+            clock_from_host(f + 5);
+        else if (strncmp(f, "net=", 4) == 0)
+            network_up(f + 4);
+    }
 }
 
 /* Reads the host's CONFIG frame (blocking) off the port: "key=value\0" fields. */
@@ -1110,6 +1178,8 @@ static int init_main(void)
             network_up(f + 4);
         else if (strncmp(f, "vol=", 4) == 0)
             mount_volume(f + 4);
+        else if (strncmp(f, "time=", 5) == 0)
+            clock_from_host(f + 5);
     }
     envp[k] = NULL;
     const char *cwd = "/";
