@@ -145,3 +145,28 @@ def test_a_terminal_in_a_microvm_sandbox_over_the_websocket(api, team_token):
             channel_layers.backends.clear()
     finally:
         api.delete(f"/sandboxes/{sid}")
+
+
+def test_a_warm_pool_of_microvms_serves_a_matching_create_at_once(api):
+    """A pool keeps booted VMs; a create of its spec claims one (the caller's environment and
+    metadata on it, the guest's own kernel) instead of booting, and the pool boots a refill."""
+    from runtime.models import Sandbox
+    from tests.api.test_pools_api import ready
+
+    r = api.post("/pools", json={"image": "busybox", "runtime": "microvm", "memory_mb": 256, "size": 1})
+    assert r.status_code == 201, r.text
+    pool = r.json()
+    try:
+        wait_until(lambda: ready(api, pool["id"]) == 1, 120, what="the pool to boot its member")
+        sb = create(api, runtime="microvm", env={"WHO": "claimer"}, metadata={"job": "vm"})
+        assert sb["pool"] == pool["id"] and sb["runtime"] == "microvm" and sb["metadata"] == {"job": "vm"}, sb
+        out = api.post(f"/sandboxes/{sb['id']}/exec", json={"cmd": "echo $WHO; uname -r"}).json()
+        assert out["stdout"].split() == ["claimer", boot.kernel().version], out
+        wait_until(lambda: ready(api, pool["id"]) == 1, 120, what="the refill")
+        api.delete(f"/sandboxes/{sb['id']}")
+    finally:
+        api.delete(f"/pools/{pool['id']}")
+        wait_until(
+            lambda: not Sandbox.objects.filter(status__in=["pending", "starting", "stopping"]).exists(), 90,
+            what="the pool's members to settle",
+        )  # fmt: skip
