@@ -340,6 +340,12 @@ class Launcher(abc.ABC):
         seconds (their move died with its worker); the sandbox ids (reconciliation)."""
         return []
 
+    def prune_images(self, kept: set[Path]) -> list[str]:
+        """Remove what the launcher keeps per image (built from its rootfs) for images this node
+        no longer has: ``kept`` holds the rootfs of those it has. Never what a sandbox it holds
+        uses. Returns what went (reconciliation)."""
+        return []
+
     def set_network(self, handle: Handle, policy: dict[str, Any]) -> None:
         """Put a new egress policy in force for a running sandbox that has a network, at once
         and atomically. Only where ``capabilities().network``."""

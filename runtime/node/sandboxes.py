@@ -236,6 +236,10 @@ def node_reconcile(*, node_name: str) -> dict[str, list[str]]:
         report["networks_removed"] += launcher.network_reconcile(dict(holding.values_list("id", "network")))
         if swept := launcher.sweep_incoming(INCOMING_IDLE_S):
             log.warning("node %s removed copies of moves that stopped: %s", node.name, swept)
+        if pruned := launcher.prune_images({info.rootfs for info in image_store().list()}):
+            log.info(
+                "node %s removed what the %s runtime kept for deleted images: %s", node.name, runtime, pruned
+            )
     return report
 
 

@@ -194,8 +194,20 @@ def root_disk(cache_dir: Path, rootfs: Path) -> Path:
             tmp.unlink(missing_ok=True)
             raise LauncherError(f"building the image's root disk failed: {proc.stderr.strip()[-2000:]}")
         os.chmod(tmp, 0o444)
+        target.with_suffix(".source").write_text(str(rootfs.resolve()))  # what pruning checks
         os.replace(tmp, target)
     return target
+
+
+def root_disks(cache_dir: Path) -> dict[Path, str | None]:
+    """Every image's root disk here, with the rootfs it was built from (None: not recorded)."""
+    out: dict[Path, str | None] = {}
+    for disk in sorted(cache_dir.glob("root-*.ext4")):
+        try:
+            out[disk] = disk.with_suffix(".source").read_text()
+        except OSError:
+            out[disk] = None
+    return out
 
 
 def sandbox_disk(path: Path, size_mb: int) -> None:

@@ -432,6 +432,31 @@ class MicroVMLauncher(NetworkedMixin, AgentBackedLauncher):
         if self.network.lease_of(sandbox_id) is not None:
             self.network.teardown(sandbox_id)
 
+    def prune_images(self, kept: set[Path]) -> list[str]:
+        """Root disks (one per image, in ``<state_dir>/boot``) of images this node no longer has,
+        that no VM here uses, running or saved; one built before its source was recorded goes
+        once unused for a day (a later VM of its image builds it again)."""
+        in_use: set[str] = set()
+        if self.sandboxes_dir.exists():
+            for d in self.sandboxes_dir.iterdir():
+                for name in ("handle.json", snapshots.META):
+                    with contextlib.suppress(OSError, ValueError, TypeError):
+                        in_use.update(
+                            a for a in json.loads((d / name).read_text()).get("argv", []) if "file=" in a
+                        )
+        kept_sources = {str(p.resolve()) for p in kept}
+        removed = []
+        for disk, source in boot.root_disks(self.boot_dir).items():
+            if any(f"file={disk}," in a for a in in_use):
+                continue
+            if source in kept_sources or (source is None and time.time() - disk.stat().st_mtime < 86400):
+                continue
+            with file_lock(self.boot_dir / f".{disk.stem}.lock"):  # boot.root_disk's while it builds
+                disk.unlink(missing_ok=True)
+                disk.with_suffix(".source").unlink(missing_ok=True)
+            removed.append(disk.name)
+        return removed
+
     # -- checkpoint and restore (see snapshots.py) ---------------------------------------------
 
     def checkpoint(self, handle: Handle) -> None:

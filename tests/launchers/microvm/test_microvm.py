@@ -122,6 +122,20 @@ def test_qemu_over_its_allowance_is_killed_and_says_so(tmp_path_factory, agent_c
         remove_all(tight)
 
 
+def test_root_disks_of_images_the_node_no_longer_has_are_pruned_unless_a_vm_uses_them(
+    launcher, vm, busybox, tmp_path
+):
+    gone = tmp_path / "rootfs"
+    (gone / "bin").mkdir(parents=True)
+    (gone / "bin" / "x").write_text("an image deleted since")
+    stale = boot.root_disk(launcher.boot_dir, gone)
+    used = boot.root_disk(launcher.boot_dir, busybox.rootfs)  # the running VM's
+    assert launcher.prune_images({busybox.rootfs}) == [stale.name]
+    assert not stale.exists() and used.exists()
+    # Even with its image gone from the node, a disk a VM runs on stays.
+    assert launcher.prune_images(set()) == [] and used.exists()
+
+
 def test_the_sandbox_sees_only_its_own_processes(launcher, vm):
     ps = sh(launcher, vm, "ps -o pid,args").decode()
     assert "kthreadd" not in ps and "hangar-mux" not in ps and "/init" not in ps
