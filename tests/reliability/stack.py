@@ -321,6 +321,22 @@ class JoinedNode:
         self.proc.wait(30)
         return pids
 
+    def lose_machine(self) -> tuple[list[int], list[int]]:
+        """The node's machine lost whole, as in a crash: the node SIGKILLed with its worker and
+        bridge, and every process of its sandboxes (runsc's, whose command lines name its data
+        dir) with them. What the host's kernel holds for them (mounts, network namespaces,
+        rules) stays, as a crash without a reboot leaves it: the node, started again, must clean
+        that up. (The node's pids, the sandboxes' pids.)"""
+        pids = self.kill()
+        mark = f"={self.data}/".encode()
+        sandboxes = []
+        for proc in Path("/proc").iterdir():
+            with contextlib.suppress(OSError, ValueError):
+                if proc.name.isdigit() and mark in (proc / "cmdline").read_bytes():
+                    os.kill(int(proc.name), signal.SIGKILL)
+                    sandboxes.append(int(proc.name))
+        return pids, sandboxes
+
     def _log(self):
         return open(self.root / "node.log", "ab")
 

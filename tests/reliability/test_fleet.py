@@ -9,6 +9,7 @@ refused at once."""
 
 from __future__ import annotations
 
+import hashlib
 import ipaddress
 import subprocess
 import sys
@@ -263,3 +264,60 @@ def test_a_used_or_expired_join_token_is_refused_at_once(fleet, report):
     assert out.returncode != 0 and "it has expired" in out.stderr, out
     assert time.monotonic() - started < 60
     report.held("fleet", "a used and an expired join token refused by hangar node join, which exits non-zero")
+
+
+def test_a_node_s_machine_lost_whole_and_back(fleet, report):
+    """Not the node's processes alone (the first test): its sandboxes die with its machine.
+    Lost within 30 s, its sandboxes saying so; one deleted meanwhile is released at once; back,
+    the node reports the others gone (failed, with the reason) and leaves nothing of the three
+    on the host: no process, mount, namespace, interface, rule or directory."""
+    from tests.reliability.stack import host_resources
+
+    cp, n1 = fleet.cp, fleet.nodes["n1"]
+    with cp.api() as api:
+        wait(lambda: fleet.states(api)[n1.name] == "ready", 60, "n1 ready")
+        mine = [create(api, node_selector={"zone": "b"}, network={"egress": "all"}) for _ in range(3)]
+        assert {sb["node"] for sb in mine} == {n1.name}, mine
+        ids = [sb["id"] for sb in mine]
+        lost_at = time.monotonic()
+        node_pids, sandbox_pids = n1.lose_machine()
+        assert sandbox_pids, "no process of n1's sandboxes was found to kill"
+        wait(lambda: not any(alive(p) for p in node_pids + sandbox_pids), 10, "n1's machine down")
+        wait(lambda: fleet.states(api)[n1.name] == "lost", LOST_WITHIN_S + 5, "n1 lost")
+        lost_s = time.monotonic() - lost_at
+        for sid in ids:
+            got = api.get(f"/sandboxes/{sid}").json()
+            assert got["status_reason"].startswith(f"lost: node {n1.name} "), got
+
+        # Deleted while its node is lost: the row is released at once.
+        gone = ids[0]
+        assert api.delete(f"/sandboxes/{gone}").status_code == 204
+        assert api.get(f"/sandboxes/{gone}").json()["status"] == "deleted"
+
+        # Back (the machine restarted, `hangar node` again): what the database no longer wants
+        # goes, and the sandboxes that did not survive are failed with a reason.
+        back_at = time.monotonic()
+        n1.run_again()
+        wait(lambda: fleet.states(api)[n1.name] == "ready", 120, "n1 ready again: " + n1.log())
+        for sid in ids[1:]:
+            got = wait(lambda s=sid: (g := api.get(f"/sandboxes/{s}").json())["status"] == "failed" and g, 90,
+                       f"{sid} failed once n1 is back: " + n1.log())  # fmt: skip
+            assert got["status_reason"], got
+        settled_s = time.monotonic() - back_at
+        sandboxes_dir = n1.data / "runtime" / "gvisor" / "sandboxes"
+
+        def nothing_left() -> bool:  # as test_faults.py's last test looks (its veth by its id's digest)
+            found = host_resources()
+            for sid in ids:
+                digest = hashlib.sha1(sid.encode()).hexdigest()[:8]
+                for kind, text in found.items():
+                    if sid in text or (kind in ("interfaces", "nftables") and digest in text):
+                        return False
+            return not any((sandboxes_dir / sid).exists() for sid in ids)
+
+        wait(nothing_left, 60, "nothing of the three left on the host: " + n1.log())
+    report.held(
+        "fleet", "a node's machine lost whole (its sandboxes with it): lost, a delete meanwhile released at once, "
+        "back: the rest failed with their reason, nothing of them left on the host",
+        lost_after_s=round(lost_s, 1), settled_after_back_s=round(settled_s, 1),
+    )  # fmt: skip
