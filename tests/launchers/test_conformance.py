@@ -2,8 +2,9 @@
 
 Parametrised over every registered launcher whose own probe passes here (gVisor, the reduced
 test registration of it with network and checkpoints off: tests/launchers/reduced.py, and the
-QEMU microVM where QEMU and its guest kernel are installed: each of its cases boots a VM, under
-TCG here, so ``-k "not microvm"`` leaves them out of a quick run).
+QEMU microVM where QEMU and its guest kernel are installed: its VMs boot under TCG here, so
+``-k "not microvm"`` leaves them out of a quick run). The cases that only run commands and move
+files share one sandbox per runtime; the rest make their own.
 Only the public interface (runtime/launchers/base.py) is used; what a runtime cannot do
 (``capabilities()``) it must refuse. A runtime's own internals are tested under
 ``tests/launchers/<name>/``. Real runtimes (runsc here), never fakes.
@@ -65,21 +66,25 @@ def busybox(image_store: ImageStore):
     return image_store.build_busybox()
 
 
+def _spec(busybox, **overrides) -> SandboxSpec:
+    return SandboxSpec(
+        id="t" + uuid.uuid4().hex[:12],
+        rootfs=busybox.rootfs,
+        cpu=overrides.pop("cpu", 1.0),
+        memory_mb=overrides.pop("memory_mb", 256),
+        env=overrides.pop("env", {"GREETING": "hello"}),
+        hostname=overrides.pop("hostname", "box"),
+        disk_mb=overrides.pop("disk_mb", None),
+    )
+
+
 @pytest.fixture
 def make_sandbox(launcher: Launcher, busybox) -> Iterator[Callable[..., dict]]:
+    """A sandbox of the test's own (fresh, or with a spec of its own)."""
     created: list[dict] = []
 
     def make(**overrides) -> dict:
-        spec = SandboxSpec(
-            id="t" + uuid.uuid4().hex[:12],
-            rootfs=busybox.rootfs,
-            cpu=overrides.pop("cpu", 1.0),
-            memory_mb=overrides.pop("memory_mb", 256),
-            env=overrides.pop("env", {"GREETING": "hello"}),
-            hostname=overrides.pop("hostname", "box"),
-            disk_mb=overrides.pop("disk_mb", None),
-        )
-        handle = launcher.create(spec)
+        handle = launcher.create(_spec(busybox, **overrides))
         created.append(handle)
         return handle
 
@@ -88,9 +93,15 @@ def make_sandbox(launcher: Launcher, busybox) -> Iterator[Callable[..., dict]]:
         launcher.destroy(handle)
 
 
-@pytest.fixture
-def sandbox(make_sandbox) -> dict:
-    return make_sandbox()
+@pytest.fixture(scope="module")
+def sandbox(launcher: Launcher, busybox) -> Iterator[dict]:
+    """One sandbox (make_sandbox's default spec) shared by the runtime's tests that only run
+    commands and move files in it, each in paths of its own: a microVM boots in seconds under
+    TCG, and a boot per test was most of this suite's time. A test that needs a sandbox
+    nothing else has touched makes one (``make_sandbox``)."""
+    handle = launcher.create(_spec(busybox))
+    yield handle
+    launcher.destroy(handle)
 
 
 def run(launcher: Launcher, handle: dict, argv, **kw):
@@ -266,7 +277,8 @@ def test_what_the_sandbox_writes_to_its_console_does_not_stop_it_answering(launc
     assert run(launcher, sandbox, "echo still here").stdout == b"still here\n"
 
 
-def test_host_processes_are_not_visible(launcher, sandbox):
+def test_host_processes_are_not_visible(launcher, make_sandbox):
+    sandbox = make_sandbox()  # fresh: its processes counted below are the agent's alone
     sleeper = subprocess.Popen(["sleep", "3600"], start_new_session=True)
     try:
         ps = run(launcher, sandbox, ["ps", "-o", "pid,args"]).stdout.decode()
