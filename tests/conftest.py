@@ -3,6 +3,7 @@ local test node with the busybox image, and a team with an API token."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -393,7 +394,7 @@ def git_server(world, git_repos):
     proc = subprocess.Popen(
         ["ip", "netns", "exec", WORLD_NS, "git", "daemon", "--reuseaddr", f"--base-path={root}", "--export-all",
          f"--listen={WORLD_A}", f"--port={GIT_PORT}", str(root)],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
     )  # fmt: skip
     deadline = time.monotonic() + 10
     while True:
@@ -404,7 +405,9 @@ def git_server(world, git_repos):
             assert time.monotonic() < deadline, "git daemon did not start"
             time.sleep(0.1)
     yield f"git://{WORLD_A}/project.git"
-    proc.kill()
+    # `git daemon` runs git-daemon as a child of its own: the whole group goes, or it outlives the run.
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
 
 
