@@ -59,6 +59,8 @@ def launcher(launcher_state, agent_cache_dir) -> Iterator[Launcher]:
     launcher = make_launcher(*launcher_state, agent_cache_dir)
     yield launcher
     remove_all(launcher)
+    if network := getattr(launcher, "network", None):  # its node's tables (a node id of its own)
+        network.remove_base()
 
 
 @pytest.fixture(scope="module")

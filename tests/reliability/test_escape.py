@@ -40,6 +40,8 @@ def launcher(request, tmp_path_factory, agent_cache_dir) -> Iterator[Launcher]:
     )
     yield launcher
     remove_all(launcher)
+    if network := getattr(launcher, "network", None):  # its node's tables (a node id of its own)
+        network.remove_base()
 
 
 @pytest.fixture(scope="module")

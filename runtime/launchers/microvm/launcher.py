@@ -242,6 +242,8 @@ class MicroVMLauncher(NetworkedMixin, AgentBackedLauncher):
                                   "disks": [m.disk for m in spec.mounts]}  # fmt: skip
                 argv = self._qemu_argv(spec, handle, kern, initrd, root, disk, lease)
                 for attempt, limit in enumerate((FIRST_BOOT_TIMEOUT[accel], BOOT_TIMEOUT)):
+                    if attempt:  # the guest takes its clock from the configuration: this moment's
+                        self._write_config(d, spec, lease)
                     qemu = self._start(d, handle, argv)
                     try:
                         self._hold_volumes(handle, qemu.pid)
