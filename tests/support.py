@@ -181,3 +181,21 @@ class SlowReader:
 
     def close(self) -> None:
         self.sock.close()
+
+
+@contextlib.contextmanager
+def volume_store(root, **sizes_mb: int):
+    """A node's volume store in ``root`` with the volumes named (id=size in MB), removed after,
+    whatever holder a test left recorded beside them."""
+    from runtime.host import volumes
+    from runtime.host.volumes import VolumeStore
+
+    store = VolumeStore(root)
+    for volume_id, size_mb in sizes_mb.items():
+        store.create(volume_id, size_mb)
+    try:
+        yield store
+    finally:
+        for volume_id in store.list():
+            volumes.holder_path(store.image(volume_id)).unlink(missing_ok=True)
+            store.delete(volume_id)

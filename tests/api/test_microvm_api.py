@@ -150,8 +150,7 @@ def test_a_terminal_in_a_microvm_sandbox_over_the_websocket(api, team_token):
 def test_a_warm_pool_of_microvms_serves_a_matching_create_at_once(api):
     """A pool keeps booted VMs; a create of its spec claims one (the caller's environment and
     metadata on it, the guest's own kernel) instead of booting, and the pool boots a refill."""
-    from runtime.models import Sandbox
-    from tests.api.test_pools_api import ready
+    from tests.api.test_pools_api import delete_pool, ready
 
     r = api.post("/pools", json={"image": "busybox", "runtime": "microvm", "memory_mb": 256, "size": 1})
     assert r.status_code == 201, r.text
@@ -165,8 +164,4 @@ def test_a_warm_pool_of_microvms_serves_a_matching_create_at_once(api):
         wait_until(lambda: ready(api, pool["id"]) == 1, 120, what="the refill")
         api.delete(f"/sandboxes/{sb['id']}")
     finally:
-        api.delete(f"/pools/{pool['id']}")
-        wait_until(
-            lambda: not Sandbox.objects.filter(status__in=["pending", "starting", "stopping"]).exists(), 90,
-            what="the pool's members to settle",
-        )  # fmt: skip
+        delete_pool(api, pool["id"], timeout=90)

@@ -94,7 +94,9 @@ def test_a_microvm_paused_in_checkpoint_mode_keeps_its_processes_and_volume(api)
         after = int(run(api, sid, "cat /root/count")["stdout"])
         assert before <= after < before + 40, (before, after)  # counting on, not from 1
         assert run(api, sid, "cat /keep/log")["stdout"] == "".join(f"vol-{c}\n" for c in range(1, cycle + 1))
-    wait_until(lambda: int(_output(api, sid, counter["id"]).split()[-1]) > after, 30, what="the stream to go on")
+    wait_until(
+        lambda: int(_output(api, sid, counter["id"]).split()[-1]) > after, 30, what="the stream to go on"
+    )
     numbers = [int(n) for n in _output(api, sid, counter["id"]).split()]
     assert numbers == list(range(1, len(numbers) + 1))  # one stream, whole, over both pauses
     delete_and_wait(api, sid)

@@ -19,6 +19,16 @@ def ready(api, pool_id: str) -> int:
     return api.get(f"/pools/{pool_id}").json()["ready"]
 
 
+def delete_pool(api, pool_id: str, timeout: float = 60) -> None:
+    """Delete the pool and wait until no member is starting or stopping: no refill or
+    provisioning is left to write while the test database is flushed."""
+    api.delete(f"/pools/{pool_id}")
+    wait_until(
+        lambda: not Sandbox.objects.filter(status__in=["pending", "starting", "stopping"]).exists(), timeout,
+        what="the pool's members to settle",
+    )  # fmt: skip
+
+
 @pytest.fixture
 def pool(api):
     r = api.post("/pools", json={"image": "busybox", "memory_mb": 256, "size": 2})
@@ -26,12 +36,7 @@ def pool(api):
     pool = r.json()
     wait_until(lambda: ready(api, pool["id"]) == 2, 60, what="the pool to fill")
     yield pool
-    # Leave no refill or provisioning behind to write while the test database is flushed.
-    api.delete(f"/pools/{pool['id']}")
-    wait_until(
-        lambda: not Sandbox.objects.filter(status__in=["pending", "starting", "stopping"]).exists(), 60,
-        what="the pool's members to settle",
-    )  # fmt: skip
+    delete_pool(api, pool["id"])
 
 
 def test_a_matching_create_claims_a_warm_member_and_the_pool_refills(api, pool):
@@ -86,9 +91,7 @@ def test_a_pool_with_a_node_selector_keeps_its_members_on_such_nodes_and_serves_
         assert sb["pool"] == pool["id"] and sb["node_selector"] == {"zone": "t", "disk": "ssd"}, sb
         wait_until(lambda: ready(api, pool["id"]) == 1, 60, what="the refill")
     finally:
-        api.delete(f"/pools/{pool['id']}")
-        wait_until(lambda: not Sandbox.objects.filter(status__in=["pending", "starting", "stopping"]).exists(), 60,
-                   what="the pool's members to settle")  # fmt: skip
+        delete_pool(api, pool["id"])
 
 
 def test_a_claim_with_a_node_selector_takes_only_a_member_on_a_node_with_those_labels(transactional_db):
@@ -176,11 +179,7 @@ def test_a_pool_with_networks_serves_creates_that_ask_for_egress(api, world):
         r = api.post("/pools", json={"image": "busybox", "memory_mb": 256, "size": 1, "network": True})
         assert r.status_code == 409
     finally:
-        api.delete(f"/pools/{pool_id}")
-        wait_until(
-            lambda: not Sandbox.objects.filter(status__in=["pending", "starting", "stopping"]).exists(), 60,
-            what="the pool's members to settle",
-        )  # fmt: skip
+        delete_pool(api, pool_id)
 
 
 def test_a_member_that_cannot_take_the_network_policy_is_dropped_and_the_create_starts_its_own(

@@ -15,6 +15,7 @@ import pytest
 
 from runtime.host import volumes
 from runtime.host.volumes import VolumeError, VolumeStore
+from tests.support import volume_store
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root (loop mounts)")
 
@@ -23,12 +24,8 @@ VOL = "volhost0001"
 
 @pytest.fixture
 def store(tmp_path) -> Iterator[VolumeStore]:
-    s = VolumeStore(tmp_path / "volumes")
-    s.create(VOL, 32)
-    yield s
-    for v in s.list():
-        volumes.holder_path(s.image(v)).unlink(missing_ok=True)
-        s.delete(v)
+    with volume_store(tmp_path / "volumes", **{VOL: 32}) as s:
+        yield s
 
 
 @pytest.fixture

@@ -18,8 +18,8 @@ from runtime.host import volumes
 from runtime.host.volumes import VolumeError, VolumeStore
 from runtime.launchers.base import ExecRequest, LauncherError, Mount, ProcessRequest, SandboxSpec
 from runtime.launchers.microvm import boot, snapshots
-from runtime.launchers.microvm.launcher import MicroVMLauncher
-from tests.launchers.helpers import assert_nothing_left, make_launcher, remove_all
+from tests.launchers.helpers import assert_nothing_left
+from tests.support import volume_store
 
 pytestmark = [
     pytest.mark.skipif(os.geteuid() != 0, reason="needs root (QEMU's disks, loop mounts)"),
@@ -30,27 +30,10 @@ pytestmark = [
 VOL = "volckpt0001"
 
 
-@pytest.fixture(scope="module")
-def launcher(tmp_path_factory, agent_cache_dir) -> Iterator[MicroVMLauncher]:
-    launcher = make_launcher("microvm", tmp_path_factory.mktemp("microvm-ckpt"), agent_cache_dir)
-    assert isinstance(launcher, MicroVMLauncher)
-    yield launcher
-    remove_all(launcher)
-
-
-@pytest.fixture(scope="module")
-def busybox(image_store):
-    return image_store.build_busybox()
-
-
 @pytest.fixture
 def store(tmp_path) -> Iterator[VolumeStore]:
-    s = VolumeStore(tmp_path / "volumes")
-    s.create(VOL, 32)
-    yield s
-    for v in s.list():
-        volumes.holder_path(s.image(v)).unlink(missing_ok=True)
-        s.delete(v)
+    with volume_store(tmp_path / "volumes", **{VOL: 32}) as s:
+        yield s
 
 
 def sh(launcher, handle, script: str) -> str:

@@ -14,7 +14,7 @@ import pytest
 
 from runtime.launchers.base import ExecRequest, LauncherError, Mount, SandboxSpec
 from runtime.launchers.microvm import boot, cgroups
-from runtime.launchers.microvm.launcher import TCG_TB_MB, MicroVMLauncher
+from runtime.launchers.microvm.launcher import TCG_TB_MB
 from tests.launchers.helpers import make_launcher, remove_all
 
 pytestmark = [
@@ -24,19 +24,6 @@ pytestmark = [
     pytest.mark.skipif(boot.missing() is not None, reason=f"no microVM support here: {boot.missing()}"),
     pytest.mark.slow,
 ]
-
-
-@pytest.fixture(scope="module")
-def launcher(tmp_path_factory, agent_cache_dir) -> Iterator[MicroVMLauncher]:
-    launcher = make_launcher("microvm", tmp_path_factory.mktemp("microvm"), agent_cache_dir)
-    assert isinstance(launcher, MicroVMLauncher)
-    yield launcher
-    remove_all(launcher)
-
-
-@pytest.fixture(scope="module")
-def busybox(image_store):
-    return image_store.build_busybox()
 
 
 def spec(busybox, **kw) -> SandboxSpec:

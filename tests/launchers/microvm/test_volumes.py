@@ -14,8 +14,7 @@ from runtime.host import volumes
 from runtime.host.volumes import VolumeError, VolumeStore
 from runtime.launchers.base import ExecRequest, LauncherError, Mount, SandboxSpec
 from runtime.launchers.microvm import boot
-from runtime.launchers.microvm.launcher import MicroVMLauncher
-from tests.launchers.helpers import make_launcher, remove_all
+from tests.support import volume_store
 
 pytestmark = [
     pytest.mark.skipif(os.geteuid() != 0, reason="needs root (QEMU's disks, loop mounts)"),
@@ -26,29 +25,11 @@ pytestmark = [
 WORK, SEEDS = "volvmwork01", "volvmseed01"
 
 
-@pytest.fixture(scope="module")
-def launcher(tmp_path_factory, agent_cache_dir) -> Iterator[MicroVMLauncher]:
-    launcher = make_launcher("microvm", tmp_path_factory.mktemp("microvm-volumes"), agent_cache_dir)
-    assert isinstance(launcher, MicroVMLauncher)
-    yield launcher
-    remove_all(launcher)
-
-
-@pytest.fixture(scope="module")
-def busybox(image_store):
-    return image_store.build_busybox()
-
-
 @pytest.fixture
 def store(tmp_path) -> Iterator[VolumeStore]:
-    s = VolumeStore(tmp_path / "volumes")
-    s.create(WORK, 64)
-    s.create(SEEDS, 32)
-    (s.mount(SEEDS) / "seed.txt").write_text("from the host\n")
-    yield s
-    for v in s.list():
-        volumes.holder_path(s.image(v)).unlink(missing_ok=True)
-        s.delete(v)
+    with volume_store(tmp_path / "volumes", **{WORK: 64, SEEDS: 32}) as s:
+        (s.mount(SEEDS) / "seed.txt").write_text("from the host\n")
+        yield s
 
 
 def sh(launcher, handle, script: str) -> tuple[int, str]:
