@@ -3,9 +3,11 @@
 and the real Postgres, for 10, 100 and 1,000 nodes.
 
 A fleet is node rows with fresh heartbeats, launchers and labels, and one image row held by
-every node; nothing runs. A placement is what ``sandbox_create`` does around the choice:
-``node_pick`` in a transaction that then writes the sandbox's row (pending) and commits, so
-every placement counts the ones before it. Measured single-threaded and with N worker
+every node; nothing runs. A placement in a batch of one (``--batch 1``) is what
+``sandbox_create`` does around the choice: ``node_pick`` in a transaction that then writes the
+sandbox's row (pending) and commits, so every placement counts the ones before it. A larger
+batch is what a warm pool's refill does (``sandbox_start_members``): ``node_pick_many`` for the
+whole batch, every row in one statement, one commit. Measured single-threaded and with N worker
 processes, each with its own database connection. Runs in a database of its own
 (``<DATABASE_URL's name>_bench_scheduler``, created, migrated and dropped here).
 
@@ -92,27 +94,40 @@ def make_fleet(nodes: int, live_per_node: int) -> None:
     )  # fmt: skip
 
 
-def place(count: int, selector: dict[str, str] | None = None) -> int:
-    """``count`` placements, each in its own committed transaction; how many were refused."""
+def place(count: int, selector: dict[str, str] | None = None, batch: int = 1) -> int:
+    """``count`` placements, in committed transactions of ``batch`` each; how many were refused.
+    A batch of one is a create's placement (``node_pick``, then the sandbox's row); a larger
+    one is a pool refill's (``node_pick_many``, then every row in one statement)."""
     from django.db import transaction
 
     from runtime.errors import NoCapacity
     from runtime.models import Image, Sandbox, Team
-    from runtime.services.placement import node_pick
+    from runtime.services.placement import node_pick, node_pick_many
 
     team = Team.objects.get(name="bench")
     image = Image.objects.get(name="bench")
+    spec = {"runtime": "gvisor", "cpu": 0.25, "memory_mb": 128}
     refused = 0
-    for _ in range(count):
+    done = 0
+    while done < count:
+        n = min(batch, count - done)
+        done += n
         try:
             with transaction.atomic():
-                node = node_pick(
-                    runtime="gvisor", cpu=0.25, memory_mb=128, image=image, node_selector=selector
-                )
-                Sandbox.objects.create(team=team, image=image.name, image_digest=image.digest, runtime="gvisor",
-                                       node=node, cpu=0.25, memory_mb=128, node_selector=selector or {})  # fmt: skip
+                if batch == 1:
+                    node = node_pick(image=image, node_selector=selector, **spec)
+                    Sandbox.objects.create(team=team, image=image.name, image_digest=image.digest, node=node,
+                                           node_selector=selector or {}, **spec)  # fmt: skip
+                    continue
+                nodes = node_pick_many(count=n, partial=True, image=image, node_selector=selector, **spec)
+                Sandbox.objects.bulk_create(
+                    Sandbox(team=team, image=image.name, image_digest=image.digest, node=node,
+                            node_selector=selector or {}, **spec)
+                    for node in nodes
+                )  # fmt: skip
+                refused += n - len(nodes)
         except NoCapacity:
-            refused += 1
+            refused += n
     return refused
 
 
@@ -130,21 +145,21 @@ def heartbeats(stop: Any) -> None:
             conn.execute("UPDATE runtime_node SET heartbeat_at = now()")
 
 
-def _worker(count: int, start: Any, out: Any) -> None:
+def _worker(count: int, batch: int, start: Any, out: Any) -> None:
     from django.db import connections
 
     connections.close_all()  # a connection of its own, not the parent's
     start.wait()
-    out.put(place(count))
+    out.put(place(count, batch=batch))
 
 
-def run_concurrent(workers: int, total: int) -> tuple[float, int]:
+def run_concurrent(workers: int, total: int, batch: int) -> tuple[float, int]:
     from django.db import connections
 
     connections.close_all()
     ctx = mp.get_context("fork")
     start, out = ctx.Event(), ctx.Queue()
-    procs = [ctx.Process(target=_worker, args=(total // workers, start, out)) for _ in range(workers)]
+    procs = [ctx.Process(target=_worker, args=(total // workers, batch, start, out)) for _ in range(workers)]
     for p in procs:
         p.start()
     time.sleep(0.5)  # every worker ready (its imports are the parent's)
@@ -164,6 +179,14 @@ def main() -> int:
     parser.add_argument("--nodes", default="10,100,1000", help="fleet sizes, comma-separated")
     parser.add_argument("-n", type=int, default=1000, help="placements per measurement")
     parser.add_argument("--workers", default="2,4,8", help="concurrent worker processes, comma-separated")
+    parser.add_argument(
+        "--batch",
+        default="1,100",
+        help="placements per transaction, comma-separated (1: a create's; more: a pool refill's)",
+    )
+    parser.add_argument(
+        "--rounds", type=int, default=1, help="times each measurement is repeated, interleaved"
+    )
     parser.add_argument("--live", type=int, default=10, help="sandboxes already running on each node")
     parser.add_argument("--json", default=str(ROOT / "bench" / "results" / "scheduler.json"))
     args = parser.parse_args()
@@ -183,21 +206,25 @@ def main() -> int:
         stop = threading.Event()
         beating = threading.Thread(target=heartbeats, args=(stop,), daemon=True)
         beating.start()
+        batches = [int(x) for x in args.batch.split(",")]
         for nodes in [int(x) for x in args.nodes.split(",")]:
             for workers in [1] + [int(x) for x in args.workers.split(",")]:
-                make_fleet(nodes, args.live)
-                if workers == 1:
-                    t0 = time.perf_counter()
-                    refused = place(args.n)
-                    elapsed = time.perf_counter() - t0
-                else:
-                    elapsed, refused = run_concurrent(workers, args.n)
-                placed = (args.n // workers) * workers - refused
-                row = {"nodes": nodes, "live": nodes * args.live, "workers": workers, "placements": placed, "refused": refused,
-                       "seconds": round(elapsed, 3), "per_s": round(placed / elapsed, 1),
-                       "policy": settings.HANGAR_PLACEMENT}  # fmt: skip
-                rows.append(row)
-                print(f"{nodes:>5} nodes, {workers} worker(s): {row['per_s']:>8.1f} placements/s", flush=True)
+                for _ in range(args.rounds):  # the batch sizes alternated, so each sees the same machine
+                    for batch in batches:
+                        make_fleet(nodes, args.live)
+                        if workers == 1:
+                            t0 = time.perf_counter()
+                            refused = place(args.n, batch=batch)
+                            elapsed = time.perf_counter() - t0
+                        else:
+                            elapsed, refused = run_concurrent(workers, args.n, batch)
+                        placed = (args.n // workers) * workers - refused
+                        row = {"nodes": nodes, "live": nodes * args.live, "workers": workers, "batch": batch,
+                               "placements": placed, "refused": refused, "seconds": round(elapsed, 3),
+                               "per_s": round(placed / elapsed, 1), "policy": settings.HANGAR_PLACEMENT}  # fmt: skip
+                        rows.append(row)
+                        print(f"{nodes:>5} nodes, {workers} worker(s), batches of {batch:>4}: "
+                              f"{row['per_s']:>8.1f} placements/s", flush=True)  # fmt: skip
         connections.close_all()
         stop.set()
         beating.join()
@@ -206,12 +233,11 @@ def main() -> int:
 
     print()
     print(f"policy {rows[0]['policy']}, {args.live} sandboxes already running on each node")
-    print("| nodes | live sandboxes | workers | placements/s | placements | refused |")
-    print("| --- | --- | --- | --- | --- | --- |")
+    print("| nodes | live sandboxes | workers | batch | placements/s | placements | refused |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
     for r in rows:
-        print(
-            f"| {r['nodes']} | {r['live']} | {r['workers']} | {r['per_s']:.0f} | {r['placements']} | {r['refused']} |"
-        )
+        print(f"| {r['nodes']} | {r['live']} | {r['workers']} | {r['batch']} | {r['per_s']:.0f} | {r['placements']} "
+              f"| {r['refused']} |")  # fmt: skip
     write_results(args.json, {"cpus": os.cpu_count(), "target_per_s": 5000, "runs": rows})
     return 0
 

@@ -3,6 +3,8 @@ so a retried or duplicated task that finds the row already moved does nothing.""
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Iterable
 from typing import Any
 
 from django.db import transaction
@@ -88,3 +90,13 @@ def transition_row(
 def record_event(sandbox_id: str, kind: str, message: str = "", **data: Any) -> None:
     SandboxEvent.objects.create(sandbox_id=sandbox_id, kind=kind, message=message, data=data)
     transaction.on_commit(lambda: notify.sandbox_changed(sandbox_id, "event"))
+
+
+def record_events(events: Iterable[tuple[str, str, str, dict[str, Any]]]) -> None:
+    """Many sandboxes' events in one statement: ``(sandbox_id, kind, message, data)`` each."""
+    rows = SandboxEvent.objects.bulk_create(
+        SandboxEvent(sandbox_id=sid, kind=kind, message=message, data=data)
+        for sid, kind, message, data in events
+    )
+    for sandbox_id in dict.fromkeys(row.sandbox_id for row in rows):
+        transaction.on_commit(functools.partial(notify.sandbox_changed, sandbox_id, "event"))

@@ -54,6 +54,7 @@ class FleetView:
         self._nodes: list[NodeView] = []
         self._by_id: dict[int, NodeView] = {}
         self._read_at = -1e18
+        self._matches: dict[tuple[Any, ...], list[NodeView]] = {}
 
     def nodes(self, placeable: Callable[[], QuerySet[Node]], *, fresh: bool = False) -> list[NodeView]:
         """The view, read again (``placeable()``: the nodes that take sandboxes) when ``fresh``
@@ -92,6 +93,22 @@ class FleetView:
         ]
         with self._lock:
             self._nodes, self._by_id, self._read_at = nodes, {n.id: n for n in nodes}, time.monotonic()
+            self._matches = {}
+
+    def matching(self, placeable: Callable[[], QuerySet[Node]], *, fresh: bool = False, runtime: str,
+                 needs: tuple[str, ...], selector: Mapping[str, str], image_id: int,
+                 node_id: int | None) -> list[NodeView]:  # fmt: skip
+        """:func:`matching` over the view (read again as :meth:`nodes` says), remembered per
+        spec until the next read: a run of placements of one spec filters the fleet once."""
+        nodes = self.nodes(placeable, fresh=fresh)
+        matches = self._matches
+        key = (runtime, needs, tuple(sorted(selector.items())), image_id, node_id)
+        if (found := matches.get(key)) is None or nodes is not self._nodes:
+            found = matching(nodes, runtime=runtime, needs=needs, selector=selector, image_id=image_id,
+                             node_id=node_id)  # fmt: skip
+            if nodes is self._nodes and len(matches) < 256:
+                matches[key] = found
+        return found
 
     def reserved(self, node: Node, cpu: float, memory_mb: int) -> None:
         """Count a reservation on ``node`` (whose row was just read under its lock) in the view."""

@@ -15,10 +15,10 @@ from .. import enqueue
 from ..errors import Conflict, InvalidValue, NodeUnavailable
 from ..lifecycle import record_event
 from ..models import Node, Sandbox
-from .placement import ACTIVE, CANNOT, node_pick, nodes_with_usage, placeable
+from .placement import ACTIVE, CANNOT, node_pick, node_pick_many, nodes_with_usage, placeable
 
 # The choice of node lives in .placement; these names stay importable from here.
-__all__ = ["ACTIVE", "CANNOT", "node_pick", "nodes_with_usage", "placeable"]
+__all__ = ["ACTIVE", "CANNOT", "node_pick", "node_pick_many", "nodes_with_usage", "placeable"]
 
 N = Node.State
 

@@ -39,7 +39,7 @@ from django.utils import timezone
 
 from ..errors import InvalidValue, NoCapacity
 from ..models import Image, Node, Sandbox
-from .fleet_view import VIEW, NodeView, matching
+from .fleet_view import VIEW, NodeView
 
 # What holds CPU and memory on a node (a paused sandbox holds only its disk).
 ACTIVE = [
@@ -165,6 +165,120 @@ def node_pick(
     raise _refusal(p)
 
 
+def node_pick_many(
+    *, count: int, partial: bool = False, runtime: str, cpu: float, memory_mb: int, image: Image,
+    node_id: int | None = None, needs: Iterable[str] = (), node_selector: Mapping[str, str] | None = None,
+) -> list[Node]:  # fmt: skip
+    """``count`` placements of one spec at once (a pool's refill, a batch of creates): the nodes,
+    one per placement (a node repeats for each it takes), chosen as :func:`node_pick` would
+    choose them one after another, reserved in the caller's transaction. All or nothing: when
+    not all fit, the refusal says why (:class:`NoCapacity`, :class:`InvalidValue`); with
+    ``partial``, as many as fit (the refusal only when none does).
+
+    The batch is planned from this process's view of the fleet (a heap of the nodes with room,
+    each placement going to the best one left, as it would with fresh reads); the planned
+    nodes' rows that no other placement holds are locked in one statement (``SKIP LOCKED``), and
+    every planned placement is decided under its node's lock, from the row as it is then. What
+    could not be placed (a node held by another placement, or filled since the view was read)
+    is planned again on the other nodes; when only nodes held by other placements are left,
+    they are waited for one at a time, holding the batch's own. Two batches that both come to
+    that point on each other's nodes at once wait on each other: Postgres ends one of them with
+    a deadlock error (its transaction rolled back, nothing placed), and its caller tries again."""
+    p = Placement(
+        runtime=runtime, cpu=cpu, memory_mb=memory_mb, image=image, node_id=node_id,
+        needs=tuple(dict.fromkeys(needs)), node_selector=dict(node_selector or {}),
+    )  # fmt: skip
+    if count < 1:
+        return []
+    got: list[Node] = []
+    with transaction.atomic(savepoint=False):
+        locked: dict[int, Node] = {}  # the rows this batch holds, as locked
+        taken: Counter[int] = Counter()  # this batch's placements on each
+        full: set[int] = set()  # found unable under their lock
+        busy: set[int] = set()  # held by other placements when last asked
+        for fresh in (False, True):
+            while len(got) < count:
+                plan = _plan(p, count - len(got), fresh=fresh, skip=full | busy, locked=locked, taken=taken)
+                fresh = False
+                if not plan:
+                    if not busy:
+                        break
+                    waited = busy.pop()  # only held nodes are left: wait for one (holding ours)
+                    if (row := Node.objects.select_for_update().filter(id=waited).first()) is None:
+                        full.add(waited)
+                    else:
+                        locked[waited] = row
+                    continue
+                new = sorted(plan.keys() - locked.keys())
+                if new:
+                    rows = Node.objects.select_for_update(skip_locked=True).filter(id__in=new)
+                    locked.update((row.id, row) for row in rows.order_by("id"))
+                    busy.update(i for i in new if i not in locked)
+                for nid, wanted in plan.items():
+                    if (row := locked.get(nid)) is None:
+                        continue
+                    fit = 0 if _unfit(row, p) else min(wanted, _room_for(row, p, taken[nid]))
+                    taken[nid] += fit
+                    got.extend([row] * fit)
+                    if fit < wanted:
+                        full.add(nid)
+        if not got:
+            raise _refusal(p)
+        if len(got) < count and not partial:
+            raise NoCapacity(f"no room for {count} such sandboxes: the fleet takes {len(got)} now")
+    for nid, n in taken.items():
+        if n:
+            VIEW.reserved(locked[nid], p.cpu * n, p.memory_mb * n)
+    return got
+
+
+def _room_for(node: Node, p: Placement, already: int) -> int:
+    """How many more of ``p`` the locked row ``node`` takes, beyond ``already`` of this batch."""
+    free_cpu, free_mem = _free(node, node.millicpu_allocated / 1000 + already * p.cpu,
+                               node.memory_mb_allocated + already * p.memory_mb)  # fmt: skip
+    by_cpu = int((free_cpu + EPSILON) // p.cpu) if p.cpu > 0 else 1 << 30
+    by_mem = int(free_mem // p.memory_mb) if p.memory_mb > 0 else 1 << 30
+    return max(0, min(by_cpu, by_mem))
+
+
+def _plan(p: Placement, want: int, *, fresh: bool, skip: set[int], locked: Mapping[int, Node],
+          taken: Counter[int]) -> Counter[int]:  # fmt: skip
+    """Where ``want`` more placements of ``p`` go, as the view has the fleet (the rows this batch
+    holds as locked, and what it has placed on them): ``{node id: how many}``, each one to the
+    best node left by the policy, as one placement after another would choose."""
+    nodes = VIEW.matching(placeable, fresh=fresh, runtime=p.runtime, needs=p.needs, selector=p.node_selector,
+                          image_id=p.image.id, node_id=p.node_id)  # fmt: skip
+    oc_cpu, oc_mem = settings.HANGAR_CPU_OVERCOMMIT, settings.HANGAR_MEMORY_OVERCOMMIT
+    sign = 1 if _policy() == "pack" else -1
+    want_cpu, want_mem = p.cpu - EPSILON, p.memory_mb
+    heap = []
+    for n in nodes:  # a plain loop over the whole fleet, once per round of a batch
+        nid = n.id
+        if nid in skip:
+            continue
+        if nid in locked:  # the row as this batch holds it, less what the batch put there
+            row, already = locked[nid], taken.get(nid, 0)
+            free_cpu = n.cpu_capacity * oc_cpu - row.millicpu_allocated / 1000 - already * p.cpu
+            free_mem = n.memory_mb_capacity * oc_mem - row.memory_mb_allocated - already * p.memory_mb
+        else:
+            free_cpu = n.cpu_capacity * oc_cpu - n.millicpu_allocated / 1000
+            free_mem = n.memory_mb_capacity * oc_mem - n.memory_mb_allocated
+        if free_cpu >= want_cpu and free_mem >= want_mem:
+            heap.append((sign * free_mem, sign * free_cpu, n.name, nid))
+    heapq.heapify(heap)
+    plan: Counter[int] = Counter()
+    while want and heap:
+        mem_key, cpu_key, name, nid = heap[0]
+        plan[nid] += 1
+        want -= 1
+        free_mem, free_cpu = sign * mem_key - p.memory_mb, sign * cpu_key - p.cpu
+        if free_cpu + EPSILON >= p.cpu and free_mem >= p.memory_mb:
+            heapq.heapreplace(heap, (sign * free_mem, sign * free_cpu, name, nid))
+        else:
+            heapq.heappop(heap)
+    return plan
+
+
 def _policy() -> str:
     policy = str(settings.HANGAR_PLACEMENT)
     if policy not in POLICIES:
@@ -176,8 +290,8 @@ def _candidates(p: Placement, *, fresh: bool, skip: set[int]) -> list[NodeView]:
     """The best few nodes for ``p`` as this process's view of the fleet has them (module
     :mod:`.fleet_view`): those that run its runtime with its capabilities, carry its labels, hold
     its image, are above the disk floor and have room, ordered by the policy."""
-    nodes = matching(VIEW.nodes(placeable, fresh=fresh), runtime=p.runtime, needs=p.needs, selector=p.node_selector,
-                     image_id=p.image.id, node_id=p.node_id)  # fmt: skip
+    nodes = VIEW.matching(placeable, fresh=fresh, runtime=p.runtime, needs=p.needs, selector=p.node_selector,
+                          image_id=p.image.id, node_id=p.node_id)  # fmt: skip
     oc_cpu, oc_mem = settings.HANGAR_CPU_OVERCOMMIT, settings.HANGAR_MEMORY_OVERCOMMIT
     want_cpu, want_mem = p.cpu - EPSILON, p.memory_mb
     roomy = []

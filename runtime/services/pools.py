@@ -37,7 +37,7 @@ from .checks import validate_limits, validate_node_selector, validate_runtime
 from .images import image_resolve
 from .nodes import runtime_require
 from .placement import selector_unmatched
-from .sandboxes import resolve_disk_mb, sandbox_delete, sandbox_start_member
+from .sandboxes import resolve_disk_mb, sandbox_delete, sandbox_start_members
 
 log = logging.getLogger(__name__)
 S = Sandbox.Status
@@ -145,10 +145,11 @@ def pool_refill(*, pool_id: str) -> int:
     have = Sandbox.objects.filter(pool=pool, claimed_at__isnull=True, status__in=WARM).count()
     started = 0
     error = ""
-    for _ in range(max(0, pool.size - have)):
+    # All that are missing in one transaction, placed together; when fewer fit, the rest are
+    # asked for once more, which says why none does (quota, capacity) for the pool's last_error.
+    while (missing := pool.size - have - started) > 0:
         try:
-            sandbox_start_member(pool=pool)
-            started += 1
+            started += len(sandbox_start_members(pool=pool, count=missing))
         except (NoCapacity, NotFound, InvalidValue, QuotaExceeded) as exc:
             error = exc.message
             break

@@ -4,6 +4,7 @@ files are in ``sandbox_io``; the road to the sandbox in ``sandbox_access``."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -18,9 +19,9 @@ from django.utils import timezone
 from kombu.exceptions import OperationalError
 
 from .. import enqueue, events, notify
-from ..errors import Conflict, InvalidValue, NotFound
+from ..errors import Conflict, InvalidValue, NotFound, QuotaExceeded
 from ..host.network import validate_policy
-from ..lifecycle import record_event, transition
+from ..lifecycle import record_event, record_events, transition
 from ..models import AuditEvent, Node, Pool, Sandbox, Team, TeamPolicy
 from ..notify import wait_for_status
 from . import audit, quotas, spans
@@ -37,7 +38,7 @@ from .checks import (
     validate_runtime,
 )  # fmt: skip
 from .images import image_resolve
-from .nodes import CANNOT, node_pick
+from .nodes import CANNOT, node_pick, node_pick_many
 from .previews import validate_ports
 from .sandbox_access import sandbox_access
 from .sandbox_calls import sandbox_call, sandbox_fail
@@ -361,24 +362,57 @@ def sandbox_wait(*, sandbox: Sandbox, timeout: float, statuses: Iterable[str] = 
 
 def sandbox_start_member(*, pool: Any) -> Sandbox:
     """Start one member of a warm pool: the pool's spec, nobody's env, no expiry until claimed."""
+    return sandbox_start_members(pool=pool, count=1)[0]
+
+
+def sandbox_start_members(*, pool: Any, count: int) -> list[Sandbox]:
+    """Start up to ``count`` members of a warm pool in one transaction: as many as the team's
+    quotas and the fleet's room allow (placed together, :func:`node_pick_many`), at least one,
+    else the refusal (quota, capacity) is raised."""
     image_row = image_resolve(pool.image)
     with transaction.atomic():
         # Locked, so a pool being deleted meanwhile gets no new member.
         if not Pool.objects.select_for_update().filter(id=pool.id).exists():
             raise NotFound(f"pool {pool.id} was deleted")
         quotas.lock_team(pool.team)
-        quotas.check(pool.team, sandboxes=1, vcpu=pool.cpu, memory_mb=pool.memory_mb, disk_mb=pool.disk_mb)
-        node = node_pick(runtime=pool.runtime, cpu=pool.cpu, memory_mb=pool.memory_mb, image=image_row,
-                         needs=["network"] if pool.network else [], node_selector=pool.node_selector or None)  # fmt: skip
-        sandbox = Sandbox.objects.create(
-            team=pool.team, image=image_row.name, image_digest=image_row.digest, runtime=pool.runtime,
-            node=node, cpu=pool.cpu, memory_mb=pool.memory_mb, disk_mb=pool.disk_mb, pool=pool, expires_at=None,
-            network={"egress": "none", "allow": []} if pool.network else {}, node_selector=pool.node_selector or {},
+        count = _quota_room(pool, count)
+        nodes = node_pick_many(count=count, partial=True, runtime=pool.runtime, cpu=pool.cpu,
+                               memory_mb=pool.memory_mb, image=image_row,
+                               needs=["network"] if pool.network else [],
+                               node_selector=pool.node_selector or None)  # fmt: skip
+        members = Sandbox.objects.bulk_create(
+            Sandbox(team=pool.team, image=image_row.name, image_digest=image_row.digest, runtime=pool.runtime,
+                    node=node, cpu=pool.cpu, memory_mb=pool.memory_mb, disk_mb=pool.disk_mb, pool=pool,
+                    expires_at=None, network={"egress": "none", "allow": []} if pool.network else {},
+                    node_selector=pool.node_selector or {})
+            for node in nodes
         )  # fmt: skip
-        record_event(sandbox.id, "status", f"warm member of pool {pool.id}, scheduled on node {node.name}",
-                     node=node.name, pool=pool.id)  # fmt: skip
-        transaction.on_commit(lambda: _enqueue("provision", sandbox.id, node.queue))
-    return sandbox
+        record_events(
+            (m.id, "status", f"warm member of pool {pool.id}, scheduled on node {node.name}",
+             {"node": node.name, "pool": pool.id})
+            for m, node in zip(members, nodes, strict=True)
+        )  # fmt: skip
+        for m, node in zip(members, nodes, strict=True):
+            transaction.on_commit(functools.partial(_enqueue, "provision", m.id, node.queue))
+    return members
+
+
+def _quota_room(pool: Any, count: int) -> int:
+    """How many of ``count`` members the pool's team has quota for (at least one, else the
+    :class:`QuotaExceeded` that says why). Inside the transaction, after the team's lock."""
+    per = {"sandboxes": 1, "vcpu": pool.cpu, "memory_mb": pool.memory_mb, "disk_mb": pool.disk_mb}
+    while True:
+        try:
+            quotas.check(pool.team, **{key: amount * count for key, amount in per.items()})
+            return count
+        except QuotaExceeded as exc:
+            key, held, limit = exc.extra.get("quota"), exc.extra.get("used"), exc.extra.get("limit")
+            if count <= 1 or key not in per or not per[key] or held is None or limit is None:
+                raise
+            fits = int((limit - held + 1e-9) // per[key])
+            if fits < 1 or fits >= count:
+                raise
+            count = fits
 
 
 # -- pause and resume -------------------------------------------------------------------------

@@ -27,10 +27,15 @@ def make_launcher(name: str, state_dir: Path, agent_cache_dir: Path, **config: A
     return new_launcher(name, state_dir=str(state_dir), agent_cache_dir=str(agent_cache_dir), **config)
 
 
-def remove_all(launcher: Launcher) -> None:
+def remove_all(launcher: Launcher, *, network: bool = True) -> None:
+    """Destroy every sandbox of a test's own launcher, its spares, and (``network``) its node's
+    nftables tables and address pool: a launcher of a test has a node id of its own, so what it
+    leaves is never reused."""
     for sandbox_id in launcher.states():
         launcher.destroy(launcher.handle_for(sandbox_id))
     launcher.release_spares()
+    if network and (net := getattr(launcher, "network", None)) is not None:
+        net.remove_base()
 
 
 def loop_backing_files() -> list[str]:

@@ -58,9 +58,7 @@ def launcher_state(request, tmp_path_factory) -> tuple[str, Path]:
 def launcher(launcher_state, agent_cache_dir) -> Iterator[Launcher]:
     launcher = make_launcher(*launcher_state, agent_cache_dir)
     yield launcher
-    remove_all(launcher)
-    if network := getattr(launcher, "network", None):  # its node's tables (a node id of its own)
-        network.remove_base()
+    remove_all(launcher)  # and its node's tables (a node id of its own)
 
 
 @pytest.fixture(scope="module")

@@ -48,7 +48,6 @@ def launcher(request, tmp_path_factory, agent_cache_dir) -> Iterator[Launcher]:
         pytest.skip(f"the {request.param} runtime gives sandboxes no network here")
     yield launcher
     remove_all(launcher)
-    launcher.network.remove_base()  # type: ignore[attr-defined]
 
 
 @pytest.fixture(scope="module")

@@ -39,9 +39,7 @@ def launcher(request, tmp_path_factory, agent_cache_dir) -> Iterator[Launcher]:
         request.param, tmp_path_factory.mktemp(f"escape-{request.param}"), agent_cache_dir
     )
     yield launcher
-    remove_all(launcher)
-    if network := getattr(launcher, "network", None):  # its node's tables (a node id of its own)
-        network.remove_base()
+    remove_all(launcher)  # and its node's tables (a node id of its own)
 
 
 @pytest.fixture(scope="module")

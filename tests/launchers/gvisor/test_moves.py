@@ -38,7 +38,6 @@ def nodes(tmp_path_factory, agent_cache_dir) -> Iterator[tuple[GVisorLauncher, G
     yield pair  # type: ignore[misc]
     for launcher in pair:
         remove_all(launcher)
-        launcher.network.remove_base()
 
 
 @pytest.fixture(scope="module")
