@@ -11,6 +11,7 @@ machine's heavy-work lock."""
 from __future__ import annotations
 
 import argparse
+import shutil
 import sys
 import tempfile
 import time
@@ -90,12 +91,17 @@ def main() -> None:
     launchers = {name: new_launcher(name, state_dir=str(work / name), agent_cache_dir=str(work / "bin"))
                  for name in ("gvisor", "microvm")}  # fmt: skip
     accel = launchers["microvm"].accel()  # type: ignore[attr-defined]
-    for launcher in launchers.values():  # a first one each builds what later ones reuse
-        one(launcher, rootfs, args.memory_mb, checkpoint=not args.no_checkpoint)
     rows: dict[str, list[dict[str, float]]] = {name: [] for name in launchers}
-    for _ in range(args.rounds):
-        for name, launcher in launchers.items():  # interleaved: the same load for both
-            rows[name].append(one(launcher, rootfs, args.memory_mb, checkpoint=not args.no_checkpoint))
+    try:
+        for launcher in launchers.values():  # a first one each builds what later ones reuse
+            one(launcher, rootfs, args.memory_mb, checkpoint=not args.no_checkpoint)
+        for _ in range(args.rounds):
+            for name, launcher in launchers.items():  # interleaved: the same load for both
+                rows[name].append(one(launcher, rootfs, args.memory_mb, checkpoint=not args.no_checkpoint))
+    finally:  # the spare disks each launcher keeps ready are mounted: nothing is left behind
+        for launcher in launchers.values():
+            launcher.release_spares()
+        shutil.rmtree(work, ignore_errors=True)
     results: dict = {"rounds": args.rounds, "memory_mb": args.memory_mb, "microvm_accel": accel}
     print(f"create -> first result, {args.rounds} rounds interleaved (microvm accel: {accel})")
     print(f"{'runtime':10} {'median s':>9} {'p95 s':>9} {'idle guest MB':>14} {'idle QEMU RSS MB':>17}")
