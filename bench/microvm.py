@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from _common import summary, write_results  # noqa: E402
+from _common import summary, under_a_reaper, write_results  # noqa: E402
 
 from runtime.host.images.store import ImageStore  # noqa: E402
 from runtime.launchers.base import ExecRequest, SandboxSpec  # noqa: E402
@@ -85,6 +85,7 @@ def main() -> None:
     ap.add_argument("--no-checkpoint", action="store_true", help="skip the checkpoint-and-restore figures")
     ap.add_argument("--json", default=str(ROOT / "bench" / "results" / "microvm.json"))
     args = ap.parse_args()
+    under_a_reaper()  # as on a node: exited sandboxes are reaped at once
     work = Path(tempfile.mkdtemp(prefix="bench-microvm-"))
     store = ImageStore(work / "images")
     rootfs = store.build_busybox().rootfs
