@@ -1,8 +1,8 @@
 """``hangar mcp``: an MCP server on stdin/stdout for clients that start their servers as
 commands, forwarding every tool listing and call to a Hangar's ``/mcp`` with the MCP SDK's own
 streamable-HTTP client. The tools live once, on the server; this process needs no Django, no
-database and no settings: only ``HANGAR_URL`` and ``HANGAR_TOKEN`` (from the environment, else
-``~/.config/hangar/config.json``'s ``url`` and ``token``)."""
+database and no settings: only the server's URL and a token, found where the user's CLI finds
+them (:func:`remote`)."""
 
 from __future__ import annotations
 
@@ -32,20 +32,28 @@ def config_path() -> Path:
     return Path(base) / "hangar" / "config.json"
 
 
-def remote() -> tuple[str, str]:
-    """The server's ``/mcp`` URL and the token, from the environment or the config file."""
-    stored: dict[str, Any] = {}
+def remote(url: str | None = None, token: str | None = None) -> tuple[str, str]:
+    """The server's ``/mcp`` URL and the token, as the user's CLI and the SDK find them: the
+    arguments (``--url``, ``--token``), else ``HANGAR_URL`` and ``HANGAR_TOKEN``, else what
+    ``hangar login`` stored, else (inside a harness) ``HANGAR_API_URL`` and ``HANGAR_API_TOKEN``;
+    the URL last of all ``http://127.0.0.1:8000``. A URL ending in ``/api/v1`` will do."""
+    env = os.environ
+    url = url or env.get("HANGAR_URL")
+    token = token or env.get("HANGAR_TOKEN")
     path = config_path()
-    if path.is_file():
+    if not (url and token) and path.is_file():
         try:
-            stored = json.loads(path.read_text())
+            stored: dict[str, Any] = json.loads(path.read_text())
         except (OSError, ValueError) as exc:
             raise ConfigError(f"cannot read {path}: {exc}") from exc
-    url = os.environ.get("HANGAR_URL") or stored.get("url") or DEFAULT_URL
-    token = os.environ.get("HANGAR_TOKEN") or stored.get("token") or ""
+        url, token = url or stored.get("url"), token or stored.get("token")
+    url = url or env.get("HANGAR_API_URL") or DEFAULT_URL
+    token = token or env.get("HANGAR_API_TOKEN") or ""
     if not token:
-        raise ConfigError(f"no token: set HANGAR_TOKEN (a Hangar API token, hgr_…) or put it in {path}")
-    return url.rstrip("/") + "/mcp", token
+        raise ConfigError(
+            "no token: set HANGAR_TOKEN (a Hangar API token, hgr_…), pass --token or run `hangar login`"
+        )
+    return url.rstrip("/").removesuffix("/api/v1") + "/mcp", token
 
 
 def _error(text: str) -> types.CallToolResult:
@@ -93,11 +101,13 @@ def check(url: str, token: str) -> None:
             url, headers=headers, json={"jsonrpc": "2.0", "id": 0, "method": "ping"}, timeout=30
         )
     except httpx.HTTPError as exc:
-        raise ConfigError(f"cannot reach {url} (HANGAR_URL): {exc}") from exc
+        raise ConfigError(f"cannot reach {url}: {exc}") from exc
     if response.status_code == 401:
-        raise ConfigError(f"{url} refused the token (401): is HANGAR_TOKEN a live Hangar API token?")
+        raise ConfigError(f"{url} refused the token (401): is it a live Hangar API token?")
     if response.status_code == 404:
-        raise ConfigError(f"{url} has no MCP server (404): is HANGAR_URL a Hangar's base URL?")
+        raise ConfigError(
+            f"{url} has no MCP server (404): is {url.removesuffix('/mcp')} a Hangar's base URL?"
+        )
 
 
 def _first(exc: BaseException) -> BaseException:
@@ -106,9 +116,9 @@ def _first(exc: BaseException) -> BaseException:
     return exc
 
 
-def main() -> int:
+def main(url: str | None = None, token: str | None = None) -> int:
     try:
-        url, token = remote()
+        url, token = remote(url, token)
         check(url, token)
         anyio.run(serve, url, token)
     except ConfigError as exc:

@@ -1,7 +1,7 @@
 """Terminals: a shell on a PTY in the sandbox, over the API's websocket
 (``/ws/v1/terminals/{id}``): binary frames carry the terminal's bytes both ways, small JSON
-text frames resize it and say when it exits. Needs ``websockets`` (``pip install
-'hangar-runtime-sdk[terminal]'``), imported only when a terminal is opened."""
+text frames resize it and say when it exits. ``websockets`` (a dependency of the package) is
+imported only when a terminal is opened."""
 
 from __future__ import annotations
 
@@ -28,7 +28,9 @@ def _websockets() -> Any:
     try:
         import websockets  # noqa: F401
     except ImportError:
-        raise HangarError("terminals need websockets: pip install 'hangar-runtime-sdk[terminal]'") from None
+        raise HangarError(
+            "terminals need websockets (a dependency of hangar-runtime-sdk): pip install websockets"
+        ) from None
     return websockets
 
 
@@ -98,6 +100,10 @@ class Terminal:
         """Type into it (``"ls\\n"``, ``b"\\x03"`` for Ctrl-C)."""
         self._ws.send(data.encode() if isinstance(data, str) else data)
 
+    def write(self, data: str | bytes) -> None:
+        """Type into it: :meth:`send`."""
+        self.send(data)
+
     def resize(self, rows: int, cols: int) -> None:
         self._ws.send(resize_frame(rows, cols))
 
@@ -115,6 +121,11 @@ class Terminal:
             if got:
                 return got
         return b""
+
+    def read(self, timeout: float | None = None) -> bytes:
+        """What it has printed since the last read, waiting up to ``timeout`` for something
+        (b"" once it has exited): :meth:`recv`."""
+        return self.recv(timeout)
 
     def read_until(self, marker: str | bytes, timeout: float = 30.0) -> bytes:
         """Everything up to and including ``marker`` (e.g. a prompt, or a line a command prints)."""
@@ -176,8 +187,33 @@ class AsyncTerminal:
     async def send(self, data: str | bytes) -> None:
         await self._ws.send(data.encode() if isinstance(data, str) else data)
 
+    async def write(self, data: str | bytes) -> None:
+        """Type into it: :meth:`send`."""
+        await self.send(data)
+
     async def resize(self, rows: int, cols: int) -> None:
         await self._ws.send(resize_frame(rows, cols))
+
+    async def recv(self, timeout: float | None = None) -> bytes:
+        """The terminal's next bytes (b"" once it has exited)."""
+        import asyncio
+
+        if self._screen.buffer:
+            return self._screen.take_all()
+        while self._screen.exit is None:
+            try:
+                got = self._screen.feed(await asyncio.wait_for(self._ws.recv(), timeout))
+            except TimeoutError:
+                raise CommandTimeout(f"nothing from terminal {self.id} in {timeout} s") from None
+            except _websockets().exceptions.ConnectionClosed:
+                return b""
+            if got:
+                return got
+        return b""
+
+    async def read(self, timeout: float | None = None) -> bytes:
+        """What it has printed since the last read (b"" once it has exited): :meth:`recv`."""
+        return await self.recv(timeout)
 
     async def read_until(self, marker: str | bytes, timeout: float = 30.0) -> bytes:
         import asyncio

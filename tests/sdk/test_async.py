@@ -64,6 +64,10 @@ def test_the_async_sdk_runs_streams_backgrounds_and_moves_files(hangar, tmp_path
             async with await sb.terminal(["sh"]) as term:
                 await term.send("echo $((6*7))-mark\n")
                 assert b"42-mark" in await term.read_until("42-mark", timeout=20)
+                await term.write("exit 3\n")
+                while await term.read(timeout=20):
+                    pass
+                assert term.exit_code == 3
             await sb.keepalive(300)
             sid = sb.id
         # Plain await works too, and the sandbox left by the block is going.

@@ -1,5 +1,5 @@
 """The SDK stands alone: it imports only the standard library, httpx and itself (never Django,
-nor the server's packages; websockets only for terminals, an extra), and each of its modules
+nor the server's packages; websockets, its other dependency, only where a terminal opens), and each of its modules
 stays small enough to hold in one's head."""
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ def test_the_sdk_imports_only_the_standard_library_httpx_and_itself():
             for name in names:
                 top = name.split(".")[0]
                 if top == "websockets" and path.name == "terminal.py":
-                    continue  # the optional extra, imported when a terminal opens
+                    continue  # imported when a terminal opens, not with the package
                 if top not in sys.stdlib_module_names and top not in ("httpx", "hangar_sdk", "__future__"):
                     found.append(f"{path.name} imports {name}")
     assert not found, found

@@ -5,6 +5,7 @@ OpenAPI schema (the one the test server serves)."""
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import re
 
 import httpx
@@ -50,7 +51,19 @@ def _calls() -> list[api.Call]:
         api.harness_create(name="n", agent="custom", repo=None, extra={}), api.harness_get(h),
         api.harness_delete(h, delete_volume=False), api.harness_pause(h), api.harness_resume(h),
         api.run_create(h, prompt="x", timeout_s=None), api.run_get(r), api.run_logs(r), api.run_cancel(r),
+        api.harness_list(), api.harness_runs(h), api.harness_logs(h), api.sandbox_events(sb),
+        api.process_list(sb), api.volume_create(name="v", size_mb=64, node=None), api.volume_list(),
+        api.volume_get("v"), api.volume_delete("v"), api.token_current(),
     ]  # fmt: skip
+
+
+def test_every_request_builder_of_the_sdk_is_checked_against_the_schema():
+    builders = {
+        name for name, fn in inspect.getmembers(api, inspect.isfunction)
+        if fn.__module__ == api.__name__ and not name.startswith("_") and fn.__annotations__.get("return") == "Call"
+    }  # fmt: skip
+    checked = set(re.findall(r"\bapi\.(\w+)\(", inspect.getsource(_calls)))
+    assert builders - checked == set(), "request builders the schema test does not call"
 
 
 def test_every_call_of_the_sdk_is_an_operation_of_the_api(openapi):

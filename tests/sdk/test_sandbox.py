@@ -137,9 +137,9 @@ def test_a_terminal_runs_a_shell_that_is_typed_into_and_resized(hangar):
             assert b"42-mark" in term.read_until("42-mark", timeout=20)
             assert b"24 80" in term.read_until("24 80", timeout=20)
             term.resize(30, 100)
-            term.send("stty size\n")
+            term.write("stty size\n")  # write and read: send and recv by the names
             term.read_until("30 100", timeout=20)
-            term.send("exit 5\n")
-            while term.recv(timeout=20):
+            term.write("exit 5\n")
+            while term.read(timeout=20):
                 pass
             assert term.exit_code == 5
