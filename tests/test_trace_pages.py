@@ -13,7 +13,7 @@ import time
 import pytest
 from django.contrib.auth import get_user_model
 
-from runtime.models import Membership, Team
+from runtime.models import Exec, Membership, Sandbox, Team
 from runtime.services import otlp, traces
 
 
@@ -152,3 +152,29 @@ def test_the_traces_page_searches_by_attribute_and_explains_a_bad_term(client, c
     assert trace_id in both and quiet not in both
     bad = client.get("/traces/", {"attr": "no equals sign"})
     assert bad.status_code == 200 and "attr must be key=value" in bad.content.decode()
+
+
+def test_a_command_s_span_shows_its_output_and_links_to_it_on_its_sandbox_s_page(client, crew):
+    client.force_login(_member("vera", crew))
+    sandbox = Sandbox.objects.create(team=crew, image="busybox", image_digest="sha256:x", status="running")
+    ran = Exec.objects.create(sandbox=sandbox, argv=["sh", "-c", "pytest -q"], exit_code=1,
+                              stdout="1 failed, 41 passed\n", stderr="E   assert 2 == 3\n")  # fmt: skip
+    others = Team.objects.create(name="others")
+    elsewhere = Sandbox.objects.create(
+        team=others, image="busybox", image_digest="sha256:x", status="running"
+    )
+    theirs = Exec.objects.create(sandbox=elsewhere, argv=["cat", "/secret"], stdout="their output\n")
+    ids = {n: secrets.token_hex(8) for n in ("mine", "theirs", "none")}
+    trace_id = _store(crew, [
+        {"id": ids["mine"], "name": "exec", "attrs": {"hangar.exec.id": ran.id, "hangar.sandbox.id": sandbox.id}},
+        # A span (ingested: anyone of the team can send one) naming another team's command.
+        {"id": ids["theirs"], "name": "exec", "attrs": {"hangar.exec.id": theirs.id, "hangar.sandbox.id": elsewhere.id}},
+        {"id": ids["none"], "name": "exec", "attrs": {"process.exit_code": 0}},
+    ])  # fmt: skip
+    panel = client.get(f"/traces/{trace_id}/spans/{ids['mine']}/").content.decode()
+    assert "1 failed, 41 passed" in panel and "E   assert 2 == 3" in panel
+    assert f"/sandboxes/{sandbox.id}/?tab=commands&amp;process={ran.id}" in panel
+    assert f"/api/v1/sandboxes/{sandbox.id}/processes/{ran.id}/output" in panel
+    foreign = client.get(f"/traces/{trace_id}/spans/{ids['theirs']}/").content.decode()
+    assert "their output" not in foreign and ">Output<" not in foreign
+    assert ">Output<" not in client.get(f"/traces/{trace_id}/spans/{ids['none']}/").content.decode()

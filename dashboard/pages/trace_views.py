@@ -14,7 +14,7 @@ from django.http import Http404, HttpRequest, HttpResponse
 from django.views.decorators.http import require_GET
 
 from runtime.errors import ServiceError
-from runtime.models import TraceLog, TraceSpan
+from runtime.models import Exec, TraceLog, TraceSpan
 from runtime.services import traces as trace_svc
 from runtime.services.usage import parse_range
 
@@ -178,6 +178,26 @@ def trace_span(request: HttpRequest, trace_id: str, span_id: str) -> HttpRespons
         "s": span, "d": trace_svc.span_dict(span), "kind": span_kind(span),
         "attributes": sorted((k, json.dumps(v) if not isinstance(v, str) else v) for k, v in span.attributes.items()),
         "resource": sorted((k, v if isinstance(v, str) else json.dumps(v)) for k, v in span.resource.items()),
-        "conversation": _conversation(span.attributes), "logs": logs,
+        "conversation": _conversation(span.attributes), "logs": logs, "command": _command(span),
     }  # fmt: skip
     return render_page(request, "hangar/partials/trace_span.html", context, tc)
+
+
+# How much of a command's kept output the span panel shows (its end); the sandbox page has all.
+PANEL_OUTPUT_CHARS = 16 * 1024
+
+
+def _command(span: TraceSpan) -> dict[str, Any] | None:
+    """The command a span of Hangar's ran (``hangar.exec.id`` in the span's sandbox, of the
+    span's team): its exit and the end of its output, as the sandbox page keeps them."""
+    exec_id, sandbox_id = span.attributes.get("hangar.exec.id"), span.attributes.get("hangar.sandbox.id")
+    if not isinstance(exec_id, int) or not isinstance(sandbox_id, str):
+        return None
+    row = Exec.objects.filter(id=exec_id, sandbox_id=sandbox_id, sandbox__team_id=span.team_id).first()
+    if row is None:
+        return None
+    return {
+        "row": row, "stdout": row.stdout[-PANEL_OUTPUT_CHARS:], "stderr": row.stderr[-PANEL_OUTPUT_CHARS:],
+        "cut": len(row.stdout) > PANEL_OUTPUT_CHARS or len(row.stderr) > PANEL_OUTPUT_CHARS
+        or row.stdout_bytes > len(row.stdout.encode()) or row.stderr_bytes > len(row.stderr.encode()),
+    }  # fmt: skip

@@ -12,12 +12,32 @@ from __future__ import annotations
 import abc
 import contextlib
 import socket
+import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 OutputCallback = Callable[[str, bytes], None]
+
+
+# The steps of a create, timed for whoever asked (the node, for the start's trace): set to a
+# list around ``create``; each :func:`phase` appends ``(name, start_ns, end_ns)`` to it.
+PHASES: ContextVar[list[tuple[str, int, int]] | None] = ContextVar("hangar_launch_phases", default=None)
+
+
+@contextlib.contextmanager
+def phase(name: str) -> Iterator[None]:
+    """Time a step of a create (``disk``, ``network``, ``runtime``) into :data:`PHASES`, if set.
+    A step that raises is timed too."""
+    got = PHASES.get()
+    start = time.time_ns()
+    try:
+        yield
+    finally:
+        if got is not None:
+            got.append((name, start, time.time_ns()))
 
 
 class LauncherError(Exception):

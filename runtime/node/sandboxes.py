@@ -17,7 +17,7 @@ from django.utils import timezone
 from .. import events
 from ..host.images.base import ImageError
 from ..host.volumes import VolumeError
-from ..launchers.base import LauncherError, SandboxSpec
+from ..launchers.base import PHASES, LauncherError, SandboxSpec
 from ..lifecycle import transition, transition_row
 from ..models import Node, Sandbox, SandboxEvent
 from ..services import secrets as secret_svc
@@ -41,6 +41,18 @@ def node_sandbox_start(*, sandbox_id: str, traceparent: str = "") -> None:
     with spans.span("sandbox.start", team_id=sandbox.team_id, sandbox_id=sandbox_id, parent=parent,
                     attributes={"hangar.node": local_node_name(), "hangar.image": sandbox.image}):  # fmt: skip
         _boot(sandbox_id, S.STARTING, sandbox)
+
+
+def _steps(launch: spans.OpenSpan, steps: list[tuple[str, int, int]], sandbox: Sandbox) -> None:
+    """The launcher's steps of a create (its disk, its network, the runtime up), as spans under
+    the launch (``sandbox.start.disk`` …), with the times the launcher took them."""
+    if not launch.context.trace_id:  # a start with no trace to hang them on
+        return
+    for name, start_ns, end_ns in steps:
+        spans.record(f"sandbox.start.{name}", team_id=sandbox.team_id,
+                     context=spans.SpanContext(launch.context.trace_id, spans.new_span_id()),
+                     parent_span_id=launch.context.span_id, start_ns=start_ns, end_ns=end_ns,
+                     attributes={spans.SANDBOX_KEY: sandbox.id})  # fmt: skip
 
 
 def _phase(name: str, sandbox: Sandbox) -> Any:
@@ -103,7 +115,13 @@ def _boot(sandbox_id: str, frm: str, sandbox: Sandbox | None = None) -> None:
             # The launcher's create makes the disk and the network and starts the runtime.
             with _phase("launch", sandbox) as launch:
                 launch.set({"hangar.runtime": sandbox.runtime, "hangar.network": bool(sandbox.network)})
-                handle = launcher.create(spec)
+                steps: list[tuple[str, int, int]] = []
+                token = PHASES.set(steps)
+                try:
+                    handle = launcher.create(spec)
+                finally:
+                    PHASES.reset(token)
+                    _steps(launch, steps, sandbox)
     except LauncherError as exc:
         log.warning("sandbox %s failed to start: %s", sandbox_id, exc)
         transition(sandbox_id, to=S.FAILED, frm=[frm], reason=str(exc))

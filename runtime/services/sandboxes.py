@@ -268,10 +268,12 @@ def sandbox_create(
         quotas.lock_team(team)
         quotas.check(team, sandboxes=1, vcpu=cpu, memory_mb=memory_mb, disk_mb=disk_mb, eff=eff)
         needs = ["network"] * bool(net) + ["checkpoint"] * (pause_mode == PAUSE_MODE_CHECKPOINT)
-        node = node_pick(
-            runtime=runtime, cpu=cpu, memory_mb=memory_mb, image=image_row,
-            node_id=volume_svc.volume_node_id(mounts), needs=needs, node_selector=node_selector,
-        )  # fmt: skip
+        with spans.span("sandbox.create.schedule", team_id=team.id) as scheduling:
+            node = node_pick(
+                runtime=runtime, cpu=cpu, memory_mb=memory_mb, image=image_row,
+                node_id=volume_svc.volume_node_id(mounts), needs=needs, node_selector=node_selector,
+            )  # fmt: skip
+            scheduling.set({"hangar.node": node.name, "hangar.runtime": runtime})
         _env_fits(node, runtime, env)
         volume_svc.check_exclusive(resolved=mounts, node=node, runtime=runtime)
         sandbox = Sandbox.objects.create(

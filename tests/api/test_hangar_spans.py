@@ -47,17 +47,30 @@ def _traces_of(api: httpx.Client, sandbox_id: str, root: str, timeout: float = 1
 
 
 def test_a_create_and_an_exec_under_a_callers_span_are_traced(api, server, team_token, monkeypatch):
-    sb = api.post("/sandboxes", json={"image": "busybox", "memory_mb": 256}).json()
+    sb = api.post(
+        "/sandboxes", json={"image": "busybox", "memory_mb": 256, "network": {"egress": "none"}}
+    ).json()
     assert sb["status"] == "running", sb
 
-    # The create (no traceparent): a trace of its own, the node's start and its phases under it.
+    # The create (no traceparent): a trace of its own, its scheduling, the node's start and its
+    # phases under it, the launcher's own steps (its disk, its network, the runtime up) under the launch.
     created = _traces_of(api, sb["id"], "sandbox.create")[0]
-    spans = _trace(api, created["trace_id"], {"sandbox.create", "sandbox.start", "sandbox.start.image",
-                                              "sandbox.start.volumes", "sandbox.start.launch"})  # fmt: skip
+    steps = ("disk", "network", "runtime")
+    spans = _trace(api, created["trace_id"], {"sandbox.create", "sandbox.create.schedule", "sandbox.start",
+                                              "sandbox.start.image", "sandbox.start.volumes", "sandbox.start.launch",
+                                              *(f"sandbox.start.{step}" for step in steps)})  # fmt: skip
     assert spans["sandbox.create"]["parent_span_id"] is None
+    schedule = spans["sandbox.create.schedule"]
+    assert schedule["parent_span_id"] == spans["sandbox.create"]["span_id"]
+    assert schedule["attributes"]["hangar.node"] and schedule["attributes"]["hangar.runtime"] == sb["runtime"]
     assert spans["sandbox.start"]["parent_span_id"] == spans["sandbox.create"]["span_id"]
     for phase in ("image", "volumes", "launch"):
         assert spans[f"sandbox.start.{phase}"]["parent_span_id"] == spans["sandbox.start"]["span_id"]
+    launch = spans["sandbox.start.launch"]
+    for step in steps:
+        got = spans[f"sandbox.start.{step}"]
+        assert got["parent_span_id"] == launch["span_id"], step
+        assert launch["start_ns"] <= got["start_ns"] <= got["end_ns"] <= launch["end_ns"], (step, got, launch)
     assert spans["sandbox.start"]["attributes"]["hangar.sandbox.id"] == sb["id"]
     assert spans["sandbox.create"]["service"] == "hangar"
 
@@ -121,3 +134,46 @@ def test_a_harness_run_is_one_trace_named_by_the_run(api, minimal_image):
     assert f"tp=00-{trace_id}-{root['span_id']}-01" in output, output
     listed = api.get("/traces", params={"run": run["id"]}).json()
     assert [t["trace_id"] for t in listed] == [trace_id]
+
+
+# A scripted agent that exports one span of its own over OTLP/JSON, with bash alone (the minimal
+# image has no curl): to $OTEL_EXPORTER_OTLP_ENDPOINT/v1/traces with the run's token, under the
+# run's root span that $TRACEPARENT names, as an OpenTelemetry SDK in the agent would.
+EXPORTING_AGENT = r"""
+tp=${TRACEPARENT#00-}; trace=${tp%%-*}; rest=${tp#*-}; parent=${rest%%-*}
+start=${EPOCHREALTIME/./}000; sleep 0.05; end=${EPOCHREALTIME/./}000
+body='{"resourceSpans":[{"resource":{"attributes":[{"key":"service.name","value":{"stringValue":"scripted-agent"}}]},
+"scopeSpans":[{"scope":{"name":"scripted"},"spans":[{"traceId":"'$trace'","spanId":"00f067aa0ba902b7",
+"parentSpanId":"'$parent'","name":"chat scripted-model","kind":3,"startTimeUnixNano":"'$start'",
+"endTimeUnixNano":"'$end'","attributes":[{"key":"gen_ai.operation.name","value":{"stringValue":"chat"}},
+{"key":"gen_ai.request.model","value":{"stringValue":"scripted-model"}}]}]}]}]}'
+u=${OTEL_EXPORTER_OTLP_ENDPOINT#http://}; hp=${u%%/*}; host=${hp%:*}; port=${hp#*:}; base=/${u#*/}
+[ "$base" = "/$u" ] && base=/
+exec 3<>"/dev/tcp/$host/$port" || exit 9
+printf 'POST %sv1/traces HTTP/1.1\r\nHost: %s\r\nAuthorization: Bearer %s\r\nContent-Type: application/json\r\nContent-Length: %d\r\nConnection: close\r\n\r\n%s' \
+  "${base%/}/" "$hp" "$HANGAR_API_TOKEN" "${#body}" "$body" >&3
+head -n 1 <&3
+"""
+
+
+def test_an_agent_s_own_spans_join_its_run_s_trace(api, minimal_image):
+    body = {"name": "exporting", "agent": "custom", "command": "bash /tmp/agent.sh", "image": "minimal",
+            "disk_mb": 256, "memory_mb": 512}  # fmt: skip
+    r = api.post("/harnesses", json=body)
+    assert r.status_code == 201, r.text
+    h = wait_status(api, r.json()["id"], "running")
+    r = api.put(f"/sandboxes/{h['sandbox']}/files", params={"path": "/tmp/agent.sh"}, content=EXPORTING_AGENT)
+    assert r.status_code in (200, 201), r.text
+    r = api.post(f"/harnesses/{h['id']}/runs", json={"prompt": "say hi"})
+    assert r.status_code in (200, 201, 202), r.text
+    run = wait_run(api, r.json()["id"])
+    logs = api.get(f"/runs/{run['id']}/logs").text
+    assert run["status"] == "succeeded", (run, logs)
+    assert "HTTP/1.1 200" in logs, logs  # what Hangar's OTLP endpoint answered the agent
+
+    spans = _trace(api, run["trace_id"], {"invoke_agent", "run.agent", "chat scripted-model"})
+    chat, root = spans["chat scripted-model"], spans["invoke_agent"]
+    assert chat["parent_span_id"] == root["span_id"]
+    assert chat["attributes"]["gen_ai.request.model"] == "scripted-model"
+    assert chat["resource"]["service.name"] == "scripted-agent", chat
+    assert [t["trace_id"] for t in api.get("/traces", params={"run": run["id"]}).json()] == [run["trace_id"]]

@@ -32,6 +32,7 @@ from ..base import (
     SandboxNotRunning,
     SandboxSpec,
     Stats,
+    phase,
 )
 from . import bundle, cgroups
 from .checkpoint import CheckpointMixin, unlink_socket
@@ -136,7 +137,8 @@ class GVisorLauncher(CheckpointMixin, MoveMixin, NetworkedMixin, AgentBackedLaun
                 # A duplicated or retried task: the sandbox is already up.
                 return handle
             self._adopt_locked(spec.id)  # moved here (paused), and its worker died before adopting it
-            bundle.mount_dirs(d, spec, self.disks)
+            with phase("disk"):
+                bundle.mount_dirs(d, spec, self.disks)
             # A checkpoint this sandbox was paused with is of no use once it starts afresh.
             for saved in ("checkpoint", "checkpoint.partial"):
                 shutil.rmtree(d / saved, ignore_errors=True)
@@ -144,7 +146,8 @@ class GVisorLauncher(CheckpointMixin, MoveMixin, NetworkedMixin, AgentBackedLaun
             names: dict[str, list[str]] = {}
             if policy.enabled or spec.network:
                 try:
-                    lease, names = self.network.setup(spec.id, policy)
+                    with phase("network"):
+                        lease, names = self.network.setup(spec.id, policy)
                 except LauncherError:
                     self._destroy_locked(spec.id)
                     raise
@@ -158,20 +161,21 @@ class GVisorLauncher(CheckpointMixin, MoveMixin, NetworkedMixin, AgentBackedLaun
                 self.runsc.delete(spec.id)
             # Its path appearing is what says the new agent listens (see below): not an old one's.
             unlink_socket(handle["socket"])
-            try:
-                self.runsc.start(d / "log" / "console.log", "run", "--detach", "--bundle", str(d / "bundle"),
-                                 spec.id, network=lease is not None)  # fmt: skip
-            except LauncherError as exc:
-                self._destroy_locked(spec.id)
-                raise LauncherError(f"runsc could not start the sandbox: {exc}") from exc
-            try:
-                # Listening is enough: the agent forks its first handlers while the caller
-                # records the sandbox as running, instead of before (a ping waited ~4 ms for it).
-                self.agent(handle).wait_listening(15.0)
-            except AgentError as exc:
-                tail = self._console_tail(d)
-                self._destroy_locked(spec.id)
-                raise LauncherError(f"sandbox agent did not come up: {exc}; console: {tail}") from exc
+            with phase("runtime"):
+                try:
+                    self.runsc.start(d / "log" / "console.log", "run", "--detach", "--bundle", str(d / "bundle"),
+                                     spec.id, network=lease is not None)  # fmt: skip
+                except LauncherError as exc:
+                    self._destroy_locked(spec.id)
+                    raise LauncherError(f"runsc could not start the sandbox: {exc}") from exc
+                try:
+                    # Listening is enough: the agent forks its first handlers while the caller
+                    # records the sandbox as running, instead of before (a ping waited ~4 ms for it).
+                    self.agent(handle).wait_listening(15.0)
+                except AgentError as exc:
+                    tail = self._console_tail(d)
+                    self._destroy_locked(spec.id)
+                    raise LauncherError(f"sandbox agent did not come up: {exc}; console: {tail}") from exc
             self.install_ca(handle)
             if lease is not None:
                 self._write_resolution(spec.id, policy, names)

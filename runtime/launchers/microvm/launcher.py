@@ -35,6 +35,7 @@ from ..base import (
     SandboxNotRunning,
     SandboxSpec,
     Stats,
+    phase,
 )
 from . import boot, cgroups, snapshots
 
@@ -220,44 +221,49 @@ class MicroVMLauncher(NetworkedMixin, AgentBackedLauncher):
             if "qemu_pid" in old and self._running(old) and self._agent_answers(old):
                 return old  # a duplicated or retried task: the VM is up
             self._stop_processes(old)
-            kern = boot.kernel(self.kernel_dir)
-            initrd = boot.initramfs(self.boot_dir, kern, self.agent_binary)
-            root = boot.root_disk(self.boot_dir, spec.rootfs)
-            d.mkdir(parents=True, exist_ok=True)
-            os.chmod(d, 0o700)
-            snapshots.discard(d)  # a checkpoint it was paused with is of no use once it starts afresh
-            disk = d / "disk.img"
-            size_mb = spec.disk_mb if spec.disk_mb else self.default_disk_mb
-            if not disk.exists():  # kept from a suspend: the sandbox's files
-                boot.sandbox_disk(disk, size_mb)
+            with phase("disk"):  # the kernel, initramfs and image's root disk are built once each
+                kern = boot.kernel(self.kernel_dir)
+                initrd = boot.initramfs(self.boot_dir, kern, self.agent_binary)
+                root = boot.root_disk(self.boot_dir, spec.rootfs)
+                d.mkdir(parents=True, exist_ok=True)
+                os.chmod(d, 0o700)
+                snapshots.discard(d)  # a checkpoint it was paused with is of no use once it starts afresh
+                disk = d / "disk.img"
+                size_mb = spec.disk_mb if spec.disk_mb else self.default_disk_mb
+                if not disk.exists():  # kept from a suspend: the sandbox's files
+                    boot.sandbox_disk(disk, size_mb)
             lease: Lease | None = None
             names: dict[str, list[str]] = {}
             try:
                 if policy.enabled or spec.network:
-                    lease, names = self.network.setup(spec.id, policy, tap=True)
+                    with phase("network"):
+                        lease, names = self.network.setup(spec.id, policy, tap=True)
                 self._write_config(d, spec, lease)
                 accel = self.accel()
                 handle: Handle = {"id": spec.id, "runtime": self.name, "dir": str(d), "memory_mb": spec.memory_mb,
                                   "cpu": spec.cpu, "vcpus": max(1, math.ceil(spec.cpu)), "accel": accel,
                                   "disks": [m.disk for m in spec.mounts]}  # fmt: skip
                 argv = self._qemu_argv(spec, handle, kern, initrd, root, disk, lease)
-                for attempt, limit in enumerate((FIRST_BOOT_TIMEOUT[accel], BOOT_TIMEOUT)):
-                    if attempt:  # the guest takes its clock from the configuration: this moment's
-                        self._write_config(d, spec, lease)
-                    qemu = self._start(d, handle, argv)
-                    try:
-                        self._hold_volumes(handle, qemu.pid)
-                    except LauncherError:
-                        self._stop_processes(handle)
-                        raise
-                    try:
-                        self._wait_up(handle, qemu, limit)
-                        break
-                    except LauncherError as exc:
-                        self._stop_processes(handle)
-                        if attempt or "exited while booting" in str(exc):
+                with phase("runtime"):
+                    for attempt, limit in enumerate((FIRST_BOOT_TIMEOUT[accel], BOOT_TIMEOUT)):
+                        if attempt:  # the guest takes its clock from the configuration: this moment's
+                            self._write_config(d, spec, lease)
+                        qemu = self._start(d, handle, argv)
+                        try:
+                            self._hold_volumes(handle, qemu.pid)
+                        except LauncherError:
+                            self._stop_processes(handle)
                             raise
-                        log.warning("microVM %s did not boot within %.0fs; trying once more", spec.id, limit)
+                        try:
+                            self._wait_up(handle, qemu, limit)
+                            break
+                        except LauncherError as exc:
+                            self._stop_processes(handle)
+                            if attempt or "exited while booting" in str(exc):
+                                raise
+                            log.warning(
+                                "microVM %s did not boot within %.0fs; trying once more", spec.id, limit
+                            )
             except BaseException:
                 self._release_network(spec.id)
                 self._let_go_of_volumes(spec.id, [m.disk for m in spec.mounts])
