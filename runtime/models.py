@@ -338,6 +338,10 @@ class Sandbox(models.Model):
     disk_metered_at = models.DateTimeField(null=True, blank=True)
     # Ports of servers inside that have a preview URL: [{"port": 8000, "public": false}].
     ports = models.JSONField(default=list, blank=True)
+    # Every port of it has a preview URL as well (E2B's sandboxes: its SDK's get_host(port)):
+    # "public" (anyone), "private" (with its traffic access token, or Hangar's own ways in);
+    # "": only ``ports``.
+    open_ports = models.CharField(max_length=8, blank=True, default="")
     # Egress: {"egress": "none" | "allowlist" | "all", "allow": [...]}; {} is none.
     network = models.JSONField(default=dict, blank=True)
     auto_resume = models.BooleanField(default=False)  # a preview request resumes it when paused

@@ -44,6 +44,7 @@ from .schemas import (
     error,
     listed_out,
     metric_out,
+    open_ports,
     refusals,
 )
 
@@ -78,6 +79,11 @@ def _not_running(sandbox: Sandbox) -> JsonResponse:
     return error(502, f"sandbox {sandbox.id} is {sandbox.status}{why}")
 
 
+# The templates e2b-code-interpreter's Sandbox asks for (its Jupyter kernel): unless an image has
+# that name, a create from one is refused as the unsupported feature it is, not as a typo.
+CODE_INTERPRETER_TEMPLATES = frozenset({"code-interpreter-v1", "code-interpreter-beta", "code-interpreter"})
+
+
 @router.post("/v2/sandboxes", operation_id="e2b_create_sandbox_v2", url_name="e2b-create-v2")
 @router.post("/sandboxes", operation_id="e2b_create_sandbox", url_name="e2b-create")
 async def create_sandbox(request: AuthedRequest, payload: NewSandboxIn) -> HttpResponse:
@@ -89,6 +95,12 @@ async def create_sandbox(request: AuthedRequest, payload: NewSandboxIn) -> HttpR
         try:
             image_resolve(payload.template_id)
         except BadRequest as exc:
+            if payload.template_id in CODE_INTERPRETER_TEMPLATES:
+                raise BadRequest(
+                    f"Hangar's E2B API does not support e2b-code-interpreter's Jupyter kernel (template "
+                    f"{payload.template_id!r}): run code with sandbox.commands.run (python3 -c …) in an image that "
+                    "has the language, or build one named like this template with a Jupyter server of your own"
+                ) from None
             raise NotFound(f"template {payload.template_id!r} not found (a template is a Hangar image): "
                            f"{exc.message}") from None  # fmt: skip
         metadata = payload.metadata or {}
@@ -103,7 +115,7 @@ async def create_sandbox(request: AuthedRequest, payload: NewSandboxIn) -> HttpR
             on_expire=svc.ON_EXPIRE_PAUSE if payload.auto_pause else svc.ON_EXPIRE_DESTROY,
             pause_mode=svc.PAUSE_MODE_CHECKPOINT if payload.auto_pause and keep_memory else svc.PAUSE_MODE_STOP,
             auto_resume=bool(payload.auto_resume and payload.auto_resume.enabled),
-            network=egress_policy(payload),
+            network=egress_policy(payload), open_ports=open_ports(payload),
         )  # fmt: skip
         return svc.sandbox_create(team=request.auth.team, user=request.auth.user, request=spec,
                                   created_by_token=request.auth)  # fmt: skip

@@ -15,6 +15,7 @@ from pydantic import ConfigDict, Field
 
 from runtime.errors import BadRequest
 from runtime.models import Sandbox
+from runtime.services import previews
 
 from ..api.schemas import ObjectIn
 from .tokens import ENVD_VERSION, envd_access_token
@@ -105,9 +106,6 @@ def refusals(body: NewSandboxIn) -> None:
     named = [name for name, value in unsupported.items() if value is not None]
     if named:
         raise BadRequest(f"network {', '.join(named)} is not supported by Hangar's E2B API")
-    if net.allow_public_traffic is False:
-        raise BadRequest("network allowPublicTraffic=false (sandbox URLs that need E2B's traffic token) "
-                         "is not supported by Hangar's E2B API yet")  # fmt: skip
     if net.deny_out and net.deny_out != [ALL_TRAFFIC]:
         raise BadRequest(f"network denyOut takes only {ALL_TRAFFIC!r} on Hangar (whose egress policy is an "
                          "allowlist): deny everything and list what is allowed in allowOut")  # fmt: skip
@@ -122,6 +120,18 @@ def egress_policy(body: NewSandboxIn) -> dict[str, Any] | None:
     if not deny_all:
         return {"egress": "all"}
     return {"egress": "allowlist", "allow": allow} if allow else None
+
+
+def open_ports(body: NewSandboxIn) -> str:
+    """Every port of an E2B sandbox is reachable at its preview host (``get_host(port)``):
+    by anyone, or with ``allowPublicTraffic: false`` only with its traffic access token."""
+    return "private" if body.network is not None and body.network.allow_public_traffic is False else "public"
+
+
+def traffic_access_token(sandbox: Sandbox) -> str | None:
+    """What E2B's SDK keeps as ``traffic_access_token``: the token a private sandbox's ports
+    take in the ``e2b-traffic-access-token`` header; None for a public one."""
+    return previews.traffic_token(sandbox.id) if sandbox.open_ports == "private" else None
 
 
 def domain() -> str:
@@ -147,7 +157,7 @@ def created_out(sandbox: Sandbox, caller: Any) -> dict[str, Any]:
         "clientID": sandbox.node.name if sandbox.node else "",
         "envdVersion": ENVD_VERSION,
         "envdAccessToken": envd_access_token(sandbox.id, caller),
-        "trafficAccessToken": None,
+        "trafficAccessToken": traffic_access_token(sandbox),
         "domain": domain(),
     }
 
@@ -187,6 +197,8 @@ def detail_out(sandbox: Sandbox, caller: Any) -> dict[str, Any]:
         network["denyOut"] = [ALL_TRAFFIC]
     if egress == "allowlist":
         network["allowOut"] = list(sandbox.network.get("allow", []))
+    if sandbox.open_ports == "private":
+        network["allowPublicTraffic"] = False
     return {
         **listed_out(sandbox),
         "envdAccessToken": envd_access_token(sandbox.id, caller),

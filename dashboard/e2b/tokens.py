@@ -13,7 +13,10 @@ from ..api.permissions import RULES, SB
 
 # The envd release whose protocol Hangar implements. The SDK switches features on it (from
 # 0.5.7 it uploads files as octet-stream; below 0.1.0 it refuses the sandbox), so it names the
-# release Hangar's envd surface speaks, never a newer one.
+# release Hangar's envd surface speaks, never a newer one. The messages are those of E2B's
+# published protos (Apache-2.0): spec/envd/process/process.proto and
+# spec/envd/filesystem/filesystem.proto of github.com/e2b-dev/E2B at commit b8029973 (August
+# 2026), where every call of envd 0.5.7 keeps its messages; see docs/e2b.md.
 ENVD_VERSION = "0.5.7"
 
 _SALT = "hangar.e2b.envd-access-token"

@@ -13,7 +13,8 @@ A sandbox on another node is reached through that node's tunnel listener
 
 Access (see :mod:`runtime.services.previews`): public ports take anyone; private ones a
 signed token (query parameter, then a cookie for that host), or an API token of the sandbox's
-team. A paused sandbox with ``auto_resume`` is resumed and the request held until its server
+team; a sandbox whose every port is open and private (E2B's ``allowPublicTraffic: false``) also
+takes its traffic access token in the ``e2b-traffic-access-token`` header. A paused sandbox with ``auto_resume`` is resumed and the request held until its server
 answers (``HANGAR_PREVIEW_RESUME_WAIT_S``, then a 503 page). Preview traffic counts as
 activity for idle rules.
 """
@@ -210,6 +211,13 @@ class Preview:
             self.raw_query = b"&".join(p for p in self.raw_query.split(b"&") if p.split(b"=", 1)[0] != name)
         if entry.get("public"):
             return None
+        traffic = _header(self.scope, previews.TRAFFIC_HEADER.encode()).decode("latin-1")
+        if entry.get("open") and traffic:
+            # E2B's traffic access token, for a sandbox whose every port is private.
+            if previews.traffic_token_valid(traffic, sandbox.id):
+                return None
+            raise Denied(403, "Wrong traffic access token",
+                         f"The {previews.TRAFFIC_HEADER} header does not hold this sandbox's traffic access token.")  # fmt: skip
         if token is not None and previews.verify(token, sandbox.id, self.port):
             if self.scope["type"] == "http" and self.scope.get("method") in ("GET", "HEAD"):
                 # Into a cookie for this host, and the URL without it (not left in history). The
@@ -251,7 +259,9 @@ class Preview:
                 return None
         raise Denied(401, "This preview is private",
                      "Open it from the link Hangar gives (the sandbox's page, or its previews in the API), "
-                     "or send an API token of the sandbox's team as Authorization: Bearer.")  # fmt: skip
+                     "or send an API token of the sandbox's team as Authorization: Bearer"
+                     + (f", or the sandbox's traffic access token as {previews.TRAFFIC_HEADER}." if entry.get("open")
+                        else "."))  # fmt: skip
 
     async def _running(self, sandbox: Sandbox) -> Sandbox:
         if sandbox.status == S.RUNNING:
@@ -368,6 +378,8 @@ class Preview:
                 continue
             if k == b"authorization" and v.lower().startswith(b"bearer hgr_"):
                 continue  # a Hangar token is Hangar's, never the app's, whatever let the request in
+            if k == previews.TRAFFIC_HEADER.encode():
+                continue  # so is the sandbox's traffic access token
             if k == b"cookie":
                 kept = [c for c in v.split(b";") if not c.strip().startswith(previews.COOKIE.encode() + b"=")]
                 if not kept:

@@ -20,10 +20,17 @@ from typing import Any
 from django.conf import settings
 from django.core import signing
 from django.db import transaction
+from django.utils.crypto import constant_time_compare, salted_hmac
 
 from ..errors import Conflict, InvalidValue, NotFound
 from ..models import Sandbox
 from . import audit
+
+# A sandbox's ``open_ports``: "" (only the ports it exposes), every port "public", or every
+# port "private" (reached with its traffic access token, or as any private preview is).
+OPEN_PORTS = ("", "public", "private")
+TRAFFIC_HEADER = "e2b-traffic-access-token"  # E2B's name for it: its SDK's users send it so
+_TRAFFIC_SALT = "hangar.previews.traffic-access-token"
 
 MAX_PORTS = 20
 CACHE_S = 1.0
@@ -157,4 +164,20 @@ def on_status_changed(sandbox_id: str, status: str) -> None:
 
 
 def port_entry(sandbox: Sandbox, port: int) -> dict[str, Any] | None:
-    return next((p for p in sandbox.ports or [] if p["port"] == port), None)
+    """The port's preview: its entry in ``ports``, else (a sandbox whose every port is open, as
+    E2B's are) ``{"port", "public"}`` by its ``open_ports``; None when it has none."""
+    found = next((p for p in sandbox.ports or [] if p["port"] == port), None)
+    if found is None and sandbox.open_ports in OPEN_PORTS[1:]:
+        return {"port": port, "public": sandbox.open_ports == "public", "open": True}
+    return found
+
+
+def traffic_token(sandbox_id: str) -> str:
+    """The token that opens a private sandbox's every port (``open_ports`` "private"), sent as
+    the ``e2b-traffic-access-token`` header: derived from the sandbox id under SECRET_KEY, never
+    stored; given to whoever created or connects to the sandbox through E2B's API."""
+    return salted_hmac(_TRAFFIC_SALT, sandbox_id, algorithm="sha256").hexdigest()
+
+
+def traffic_token_valid(token: str, sandbox_id: str) -> bool:
+    return bool(token) and constant_time_compare(token, traffic_token(sandbox_id))

@@ -39,7 +39,7 @@ from .checks import (
 )  # fmt: skip
 from .images import image_resolve
 from .nodes import CANNOT, node_pick, node_pick_many
-from .previews import validate_ports
+from .previews import OPEN_PORTS, validate_ports
 from .sandbox_access import sandbox_access
 from .sandbox_calls import sandbox_call, sandbox_fail
 
@@ -188,6 +188,8 @@ class SandboxRequest:
     network: dict[str, Any] | None = None
     disk_mb: int | None = None
     node_selector: dict[str, str] | None = None  # labels its node must carry, all of them
+    # Every port reachable at its preview host: "public", "private" (the traffic token), or "".
+    open_ports: str = ""
 
 
 @spans.traced("sandbox.create")
@@ -222,6 +224,10 @@ def sandbox_create(
     _validate_pause_mode(pause_mode, ephemeral=ephemeral)
     secret_names = secret_svc.validate_names(team=team, names=r.secrets or [], env=env)
     port_list = validate_ports(r.ports or [])
+    if r.open_ports not in OPEN_PORTS:
+        raise InvalidValue(
+            f"open_ports must be one of {', '.join(map(repr, OPEN_PORTS))}, got {r.open_ports!r}"
+        )
     # The team's policy row once, for its limits and its budget.
     policy = TeamPolicy.objects.filter(team=team).first()
     eff = quotas.effective(team, policy)
@@ -240,7 +246,7 @@ def sandbox_create(
             team=team, image=image_row.name, runtime=runtime, cpu=cpu, memory_mb=memory_mb, disk_mb=disk_mb,
             claim={"env": env, "metadata": metadata or {}, "timeout_s": timeout_s, "on_expire": on_expire,
                    "idle_timeout_s": idle_timeout_s, "pause_mode": pause_mode, "secrets": secret_names,
-                   "ports": port_list, "auto_resume": auto_resume,
+                   "ports": port_list, "open_ports": r.open_ports, "auto_resume": auto_resume,
                    "created_by": user if user is not None and user.is_authenticated else None,
                    "created_by_token": created_by_token},
             network=bool(net), on_claim=None if net else claimed_now, node_selector=node_selector,
@@ -292,6 +298,7 @@ def sandbox_create(
             env=env,
             secrets=secret_names,
             ports=port_list,
+            open_ports=r.open_ports,
             auto_resume=auto_resume,
             network=net,
             metadata=metadata or {},

@@ -253,6 +253,12 @@ def test_unknown_template_wrong_key_and_unsupported_features_are_refused(e2b, ap
     with pytest.raises(SandboxException, match="template 'no-such-image' not found.*busybox") as caught:
         Sandbox.create("no-such-image")
     assert caught.value.status_code == 404
+    # e2b-code-interpreter's template: the unsupported feature named, not a missing image.
+    with pytest.raises(
+        SandboxException, match="does not support e2b-code-interpreter's Jupyter kernel"
+    ) as caught:
+        Sandbox.create("code-interpreter-v1")
+    assert caught.value.status_code == 400
     with pytest.raises(AuthenticationException):
         Sandbox.create("busybox", api_key="hgr_not-a-real-key")
     with pytest.raises(AuthenticationException):
@@ -372,3 +378,60 @@ def test_older_sdk_paths_and_error_shapes_over_http(e2b, api, team_token):
 
         assert http.delete(f"/sandboxes/{sid}").status_code == 204
         assert http.delete(f"/sandboxes/{sid}").json()["code"] == 404
+
+
+# -- get_host(port): every port, public or with the traffic access token -----------------------
+
+# A CGI script that answers with the request's headers as the app sees them (HTTP_* variables).
+CGI_HEADERS = """#!/bin/sh
+printf 'Content-Type: text/plain\\r\\n\\r\\n'
+env | grep '^HTTP_' | sort
+"""
+
+
+def _serve(sbx: Sandbox) -> None:
+    sbx.files.write("/www/index.html", "hello from e2b\n")
+    sbx.files.write("/www/cgi-bin/headers", CGI_HEADERS)
+    sbx.commands.run("chmod 755 /www/cgi-bin/headers")
+    sbx.commands.run("httpd -f -p 127.0.0.1:8000 -h /www", background=True)
+    wait_until(lambda: sbx.commands.run("wget -q -O- http://127.0.0.1:8000/ || true").stdout == "hello from e2b\n",
+               20, what="httpd")  # fmt: skip
+
+
+def _get(server: str, sbx: Sandbox, path: str, **headers: str) -> httpx.Response:
+    """A request to ``get_host(8000)`` as any HTTP client makes it (through the test server, the
+    host in the Host header), with no Hangar credentials."""
+    return httpx.get(f"{server}{path}", headers={"Host": sbx.get_host(8000), **headers}, timeout=30)
+
+
+@requires_runsc
+def test_every_port_is_reached_at_get_host_public_or_with_the_traffic_access_token(e2b, server):
+    public = Sandbox.create("busybox", timeout=120, allow_internet_access=False)
+    private = Sandbox.create("busybox", timeout=120, allow_internet_access=False,
+                             network={"allow_public_traffic": False})  # fmt: skip
+    try:
+        # Public by default (E2B's way): no port was exposed through Hangar's API, none is needed.
+        assert public.traffic_access_token is None
+        _serve(public)
+        r = _get(server, public, "/")
+        assert r.status_code == 200 and r.text == "hello from e2b\n", r.text
+
+        # Private: the SDK holds the token (from create, and from connect), the proxy wants it.
+        token = private.traffic_access_token
+        assert token and Sandbox.connect(private.sandbox_id).traffic_access_token == token
+        assert private.get_info().network == {"deny_out": ["0.0.0.0/0"], "allow_public_traffic": False}
+        _serve(private)
+        refused = _get(server, private, "/")
+        assert refused.status_code == 401 and "traffic access token" in refused.text
+        wrong = _get(server, private, "/", **{"e2b-traffic-access-token": "0" * 64})
+        assert wrong.status_code == 403
+        # Another sandbox's token opens nothing here.
+        other = _get(server, private, "/", **{"e2b-traffic-access-token": public.sandbox_id})
+        assert other.status_code == 403
+        r = _get(server, private, "/cgi-bin/headers", **{"e2b-traffic-access-token": token})
+        assert r.status_code == 200, r.text
+        # The token is Hangar's, never the app's: it is not passed on.
+        assert "HTTP_HOST" in r.text and "TRAFFIC" not in r.text.upper(), r.text
+    finally:
+        public.kill()
+        private.kill()

@@ -119,6 +119,38 @@ def test_commands_run_stream_fail_and_run_in_the_background(e2b):
 
 
 @requires_runsc
+def test_commands_run_as_the_image_s_own_user_unless_another_is_named(e2b):
+    """An image whose config names a USER (as E2B's templates do) runs commands and PTYs as
+    that user; root, or any user it has, when the request names one."""
+    import dataclasses
+
+    from runtime.models import Image
+    from runtime.node.local import image_store
+    from runtime.services.images import image_register
+
+    info = image_store().get(Image.objects.get(name="busybox").digest)
+    image_register(info=dataclasses.replace(info, config={**info.config, "user": "nobody:nogroup"}),
+                   name="busybox-as-nobody")  # fmt: skip
+    sbx = Sandbox.create("busybox-as-nobody", timeout=120, allow_internet_access=False)
+    try:
+        assert sbx.commands.run("id -un").stdout == "nobody\n"
+        assert sbx.commands.run("id -u", user="root").stdout == "0\n"
+        background = sbx.commands.run("id -u > /tmp/who; sleep 30", background=True)
+        wait_until(lambda: sbx.commands.run("cat /tmp/who", user="root").stdout == "65534\n", 20,
+                   what="the background command's user")  # fmt: skip
+        background.kill()
+        seen = bytearray()
+        term = sbx.pty.create(PtySize(rows=24, cols=80), timeout=60)
+        reader = threading.Thread(target=lambda: [seen.extend(pty) for _, _, pty in term if pty], daemon=True)
+        reader.start()
+        sbx.pty.send_stdin(term.pid, b"echo uid-$(id -u)\n")
+        wait_until(lambda: b"uid-65534" in seen, 15, what="the PTY's user")
+        assert sbx.pty.kill(term.pid) is True
+        reader.join(10)
+    finally:
+        sbx.kill()
+
+
 def test_files_and_pty(e2b):
     t = time.perf_counter()
     sbx = Sandbox.create("busybox", timeout=120, allow_internet_access=False)

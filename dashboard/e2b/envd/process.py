@@ -16,7 +16,7 @@ from django.http import HttpRequest
 from dashboard.auth_watch import AuthWatch
 from runtime.aio import blocking
 from runtime.errors import InvalidValue, ServiceError
-from runtime.models import Exec
+from runtime.models import Exec, Image
 from runtime.services import processes as proc_svc
 from runtime.services import sandbox_io as io_svc
 
@@ -54,14 +54,32 @@ def _has_bash(caller: Caller) -> None:
     _HAS_BASH[caller.sandbox.id] = "bash" in names
 
 
-def _argv(caller: Caller, cmd: str, args: list[str], pty: bool) -> list[str]:
+def _argv(caller: Caller, cmd: str, args: list[str], pty: bool, user: str) -> list[str]:
     if not cmd:
         raise RpcError("invalid_argument", "process.cmd is empty")
-    if not pty and caller.user in ("", "root"):
+    if not pty and user in ("", "root"):
         has_bash = _HAS_BASH.get(caller.sandbox.id) if cmd == "/bin/bash" else True
         if has_bash is not None:
             return [cmd if has_bash else "/bin/sh", *args]
-    return [*_SH, _MARK_PTY if pty else _MARK_CMD, caller.user, cmd, *args]
+    return [*_SH, _MARK_PTY if pty else _MARK_CMD, user, cmd, *args]
+
+
+_IMAGE_USER: dict[tuple[str, str], str] = {}  # (image name, digest) -> its default user ("" : root)
+
+
+def _image_user(caller: Caller) -> str:
+    """The user the sandbox's image runs as (OCI ``config.User``: a name or uid, before any
+    ``:group``), "" for root; read once per image name and digest (its config is the digest's)."""
+    sandbox = caller.sandbox
+    key = (sandbox.image, sandbox.image_digest)
+    if (user := _IMAGE_USER.get(key)) is None:
+        config = Image.objects.filter(name=sandbox.image).values_list("config", flat=True).first() or {}
+        user = str(config.get("user") or "").split(":", 1)[0].strip() if isinstance(config, dict) else ""
+        user = "" if user in ("root", "0") else user
+        if len(_IMAGE_USER) > 10_000:
+            _IMAGE_USER.clear()
+        _IMAGE_USER[key] = user
+    return user
 
 
 def _is_pty(row: Exec) -> bool:
@@ -216,7 +234,12 @@ async def start(
     cmd, args = str(config.get("cmd") or ""), [str(a) for a in config.get("args") or []]
     if cmd == "/bin/bash" and caller.sandbox.id not in _HAS_BASH:
         await blocking(_has_bash)(caller)
-    argv = _argv(caller, cmd, args, pty is not None)
+    # The user the SDK named, else the image's own (as E2B's templates run as theirs).
+    user = caller.user
+    if not user:
+        known = _IMAGE_USER.get((caller.sandbox.image, caller.sandbox.image_digest))
+        user = await blocking(_image_user)(caller) if known is None else known
+    argv = _argv(caller, cmd, args, pty is not None, user)
     envs = {str(k): str(v) for k, v in (config.get("envs") or {}).items()}
     if pty is not None:
         envs = {"TERM": "xterm-256color", **envs}
