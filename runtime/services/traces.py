@@ -308,12 +308,30 @@ def log_dict(r: TraceLog) -> dict[str, Any]:
 
 
 def trace_get(*, team: Team, trace_id: str) -> tuple[Trace, QuerySet[TraceSpan], QuerySet[TraceLog]]:
-    """The trace, its spans (by start) and its log records (by time). Another team's is not found."""
+    """The trace, its spans (by start) and its log records (by time). Another team's is not found.
+
+    Its log records are those that carry its id, and those that carry none but name what the
+    trace is of (in their resource attributes): its run (a run is one trace), or, for a log of
+    no run, one of its sandboxes within the trace's time."""
     trace = Trace.objects.filter(team=team, trace_id=_check_id(trace_id)).first()
     if trace is None:
         raise NotFound(f"no trace {trace_id!r}")
     spans = TraceSpan.objects.filter(team=team, trace_id=trace_id).order_by("start_ns", "id")
-    logs = TraceLog.objects.filter(team=team, trace_id=trace_id).order_by("time_ns", "id")
+    ties = list(
+        spans.exclude(run_id="", sandbox_id="")
+        .order_by()
+        .values_list("run_id", "sandbox_id")
+        .distinct()[:100]
+    )
+    runs = {run for run, _ in ties if run}
+    sandboxes = {sandbox for _, sandbox in ties if sandbox}
+    joined = Q(trace_id=trace_id)
+    if runs:
+        joined |= Q(trace_id="", run_id__in=runs)
+    if sandboxes:
+        joined |= Q(trace_id="", run_id="", sandbox_id__in=sandboxes, time_ns__gte=trace.start_ns,
+                    time_ns__lte=trace.end_ns)  # fmt: skip
+    logs = TraceLog.objects.filter(joined, team=team).order_by("time_ns", "id")
     return trace, spans, logs
 
 

@@ -154,6 +154,17 @@ def test_otlp_json_gzip_and_logs_joining_the_trace(server, team_token):
         "span_id"
     ] == span_id
     assert TraceLog.objects.filter(trace_id="", run_id="runlog1").count() == 1
+    # The run's trace (a span of it names the run) shows the record that named only the run.
+    run_trace = _json_trace(pysecrets.token_hex(16), pysecrets.token_hex(8))
+    run_trace["resourceSpans"][0]["resource"]["attributes"].append(
+        {"key": "hangar.run.id", "value": {"stringValue": "runlog1"}}
+    )
+    r = _post(server, team_token, "/v1/traces", json.dumps(run_trace).encode(), "application/json")
+    assert r.status_code == 200, r.text
+    got = _wait_trace(
+        server, team_token, run_trace["resourceSpans"][0]["scopeSpans"][0]["spans"][0]["traceId"], 1
+    )
+    assert [entry["body"] for entry in got["logs"]] == ["no trace: the run's timeline"], got["logs"]
     # A span with a bad id is rejected alone: a partial success that says why.
     bad = _json_trace(pysecrets.token_hex(16), "")
     r = _post(server, team_token, "/v1/traces", json.dumps(bad).encode(), "application/json")
