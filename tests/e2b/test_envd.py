@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import io
 import json
 import statistics
 import struct
@@ -165,6 +166,11 @@ def test_files_and_pty(e2b):
         assert bytes(sbx.files.read("/work/dir/blob.bin", format="bytes")) == blob
         sbx.files.write_files([{"path": "/work/a.txt", "data": "a"}, {"path": "/work/b.txt", "data": b"b"}])
         assert sbx.files.read("/work/b.txt") == "b"
+        # A file-like object goes as application/octet-stream, gzip=True gzipped (envd 0.5.7's).
+        sbx.files.write("/work/dir/streamed.bin", io.BytesIO(blob))
+        sbx.files.write("/work/dir/zipped.bin", blob, gzip=True)
+        for name in ("streamed.bin", "zipped.bin"):
+            assert bytes(sbx.files.read(f"/work/dir/{name}", format="bytes")) == blob, name
         assert sbx.commands.run("cat /work/a.txt").stdout == "a"  # where commands see them
 
         entries = {e.name: e for e in sbx.files.list("/work")}
@@ -253,6 +259,30 @@ def test_access_token_is_required_and_bound_to_a_live_token_of_the_team(e2b, ser
             follow.wait()
     finally:
         Sandbox.kill(sid, api_key=_fresh_token())
+
+
+@requires_runsc
+def test_a_gzipped_upload_is_unpacked_and_a_bad_one_refused(e2b):
+    import gzip
+
+    sbx = Sandbox.create("busybox", timeout=120, allow_internet_access=False)
+    headers = {"E2b-Sandbox-Id": sbx.sandbox_id, "X-Access-Token": sbx._envd_access_token,
+               "Content-Type": "application/octet-stream"}  # fmt: skip
+    try:
+
+        def post(body: bytes, encoding: str) -> httpx.Response:
+            return httpx.post(f"{e2b}/files", params={"path": "/work/up.bin"}, content=body, timeout=60,
+                              headers={**headers, "Content-Encoding": encoding})  # fmt: skip
+
+        assert post(gzip.compress(b"packed\n"), "gzip").status_code == 200
+        assert sbx.files.read("/work/up.bin") == "packed\n"
+        r = post(gzip.compress(b"x" * 1000)[:-12], "gzip")
+        assert r.status_code == 400 and "cut short" in r.text, r.text
+        r = post(b"plain", "br")
+        assert r.status_code == 400 and "Content-Encoding 'br'" in r.text, r.text
+        assert sbx.files.read("/work/up.bin") == "packed\n"  # none of those wrote anything
+    finally:
+        sbx.kill()
 
 
 def _fresh_token() -> str:
@@ -344,6 +374,25 @@ def test_envelopes_and_base64_round_trip():
     assert unb64(base64.urlsafe_b64encode(b"\xff\xfe").decode(), "x") == b"\xff\xfe"
     with pytest.raises(RpcError):
         unwrap(body[:-1])
+
+
+def test_a_gzipped_upload_unpacking_past_the_file_limit_is_a_413(settings):
+    import gzip
+
+    from django.test import RequestFactory
+
+    from dashboard.e2b.envd.files import _decoded
+    from runtime.errors import TooLarge
+
+    settings.HANGAR_FILE_MAX_BYTES = 4096
+
+    def request(body: bytes):
+        return RequestFactory().post("/e2b/envd/files", data=body, content_type="application/octet-stream",
+                                     HTTP_CONTENT_ENCODING="gzip")  # fmt: skip
+
+    assert _decoded(request(gzip.compress(b"a" * 4096))) == b"a" * 4096  # up to the limit, whole
+    with pytest.raises(TooLarge, match="HANGAR_FILE_MAX_BYTES"):
+        _decoded(request(gzip.compress(b"\0" * (10 * 1024 * 1024))))  # 10 MiB of zeros in ~10 KB
 
 
 def test_envd_uploads_and_input_have_their_data_limits(settings):

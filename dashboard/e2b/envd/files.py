@@ -5,8 +5,10 @@ part's filename its whole destination path, or ``application/octet-stream`` to `
 from __future__ import annotations
 
 import io
+import zlib
 from typing import Any
 
+from django.conf import settings
 from django.core.files.uploadhandler import (
     FileUploadHandler,
     MemoryFileUploadHandler,
@@ -18,6 +20,7 @@ from django.http.response import HttpResponseBase
 
 from dashboard.streaming import download_response
 from runtime.aio import blocking
+from runtime.errors import TooLarge
 from runtime.services import sandbox_io as io_svc
 
 from ..schemas import error
@@ -55,6 +58,8 @@ class _Names(FileUploadHandler):
 
 
 def _failed(exc: BaseException) -> HttpResponse:
+    if isinstance(exc, TooLarge):  # not a limit to wait out, as resource_exhausted's 429 says
+        return error(413, exc.message)
     found = rpc_error(exc)
     return error(_STATUS.get(found.code, 500), found.message)
 
@@ -110,11 +115,7 @@ async def _upload(request: HttpRequest) -> HttpResponse:
         if content_type.startswith("multipart/"):
             parts = _parts(request)
         elif content_type == "application/octet-stream":
-            if request.headers.get("Content-Encoding", "identity") != "identity":
-                raise RpcError(
-                    "invalid_argument", "compressed uploads are not accepted; send the file as it is"
-                )
-            parts = [(request.GET.get("path", ""), request.body)]
+            parts = [(request.GET.get("path", ""), _decoded(request))]
         else:
             raise RpcError("invalid_argument", "send multipart/form-data or application/octet-stream")
         done = []
@@ -128,6 +129,29 @@ async def _upload(request: HttpRequest) -> HttpResponse:
         return JsonResponse(await blocking(write)(), safe=False)
     except Exception as exc:
         return _failed(exc)
+
+
+def _decoded(request: HttpRequest) -> bytes:
+    """An octet-stream upload's bytes: as sent, or gunzipped (``Content-Encoding: gzip``, which
+    the SDK sends with ``gzip=True`` to envd 0.5.7 and later), never past the file limit once
+    unpacked (a 413, as for a file sent whole that large)."""
+    encoding = request.headers.get("Content-Encoding", "identity").strip().lower()
+    if encoding in ("", "identity"):
+        return request.body
+    if encoding != "gzip":
+        raise RpcError("invalid_argument", f"Content-Encoding {encoding!r}: send the file as it is, or gzip")
+    limit = settings.HANGAR_FILE_MAX_BYTES
+    unpack = zlib.decompressobj(wbits=16 + zlib.MAX_WBITS)
+    try:
+        data = unpack.decompress(request.body, limit + 1)
+        if len(data) > limit or unpack.unconsumed_tail:
+            raise TooLarge(f"the file unpacks to more than HANGAR_FILE_MAX_BYTES ({limit} bytes)")
+        data += unpack.flush()
+    except zlib.error as exc:
+        raise RpcError("invalid_argument", f"the gzip body could not be unpacked: {exc}") from None
+    if not unpack.eof:
+        raise RpcError("invalid_argument", "the gzip body is cut short")
+    return data
 
 
 def _parts(request: HttpRequest) -> list[tuple[str, bytes]]:
