@@ -9,7 +9,7 @@ import gzip
 import json
 import secrets as pysecrets
 import time
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 
 import httpx
 import pytest
@@ -21,6 +21,7 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.trace import Status, StatusCode
 
 from runtime.models import Trace, TraceLog, TraceSpan
+from tests.support import wait_until
 
 
 def _provider(
@@ -301,3 +302,44 @@ def test_a_saturated_ingest_answers_429_with_retry_after(team_token, monkeypatch
     response = asyncio.run(otlp.traces(request))
     assert response.status_code == 429 and response["Retry-After"] == "1"
     assert not TraceSpan.objects.exists()
+
+
+def test_the_list_filters_by_harness_time_duration_and_limit(server, team_token):
+    """Three traces of one harness (a short one, a long one, one an hour old), one of another."""
+    harness, other = "h" + pysecrets.token_hex(6), "h" + pysecrets.token_hex(6)
+    now = time.time_ns()
+
+    def send(harness_id: str, start_ns: int, ms: int) -> str:
+        trace_id = pysecrets.token_hex(16)
+        body = _json_trace(trace_id, pysecrets.token_hex(8), startTimeUnixNano=str(start_ns),
+                           endTimeUnixNano=str(start_ns + ms * 1_000_000))  # fmt: skip
+        body["resourceSpans"][0]["resource"]["attributes"].append(
+            {"key": "hangar.harness.id", "value": {"stringValue": harness_id}}
+        )
+        assert (
+            _post(server, team_token, "/v1/traces", json.dumps(body).encode(), "application/json").status_code
+            == 200
+        )
+        return trace_id
+
+    short, long_ = send(harness, now, 5), send(harness, now + 1_000_000, 900)
+    old = send(harness, now - 3600 * 10**9, 50)
+    send(other, now, 5)
+    headers = {"Authorization": f"Bearer {team_token}"}
+
+    def listed(**params) -> list[str]:
+        r = httpx.get(
+            f"{server}/api/v1/traces", params={"harness": harness, **params}, headers=headers, timeout=30
+        )
+        assert r.status_code == 200, r.text
+        return [t["trace_id"] for t in r.json()]
+
+    wait_until(lambda: len(listed()) == 3, 5, what="the three traces listed")
+    assert listed() == [long_, short, old]  # newest first, the other harness's left out
+    assert listed(min_duration_ms=100) == [long_]
+    since = datetime.fromtimestamp((now - 60 * 10**9) / 1e9, tz=UTC).isoformat()
+    assert listed(**{"from": since}) == [long_, short]
+    assert listed(to=since) == [old]
+    assert listed(limit=1) == [long_]
+    r = httpx.get(f"{server}/api/v1/traces", params={"limit": 0}, headers=headers, timeout=30)
+    assert r.status_code == 422, r.text

@@ -1,4 +1,4 @@
-"""Codex's telemetry: the workspace setup writes an ``[otel]`` section into Codex's
+"""Agents' telemetry (Claude Code's environment, below) and Codex's: the workspace setup writes an ``[otel]`` section into Codex's
 ``config.toml`` that exports its log events and spans to Hangar's OTLP endpoint, as Codex reads
 it (parsed with tomllib here); the token never goes in (every file of a sandbox is readable by
 the team's viewers: it stays in the environment, where Codex's exporter takes
@@ -85,3 +85,27 @@ def test_the_codex_preset_setup_runs_the_step_and_a_failure_fails_no_setup():
     assert script.index("codex --version") < script.index("hangar otel") < script.index("workspace ready")
     assert ") || echo 'Codex: its setup step failed' >&2" in script
     assert presets.preset("claude-code").setup == ""
+
+
+def test_claude_code_exports_its_traces_and_logs_to_hangar_without_prompts(settings):
+    """Claude Code's preset turns its OpenTelemetry on (traces and log events, OTLP over HTTP)
+    towards the endpoint every harness has, with the harness's ties as resource attributes;
+    prompts and tool details stay out unless the harness's own env opts in."""
+    from runtime.models import Harness
+    from runtime.services.harnesses import _sandbox_env
+
+    settings.HANGAR_SANDBOX_OTLP_ENDPOINT = ENDPOINT
+    h = Harness(id="hclaude", name="claude", agent="claude-code", team_id=7, env={})
+    env = _sandbox_env(h, "/usr/bin:/bin")
+    assert env["CLAUDE_CODE_ENABLE_TELEMETRY"] == "1"
+    assert env["OTEL_TRACES_EXPORTER"] == env["OTEL_LOGS_EXPORTER"] == "otlp"
+    assert (
+        env["OTEL_EXPORTER_OTLP_ENDPOINT"] == ENDPOINT
+        and env["OTEL_EXPORTER_OTLP_PROTOCOL"] == "http/protobuf"
+    )
+    assert env["OTEL_RESOURCE_ATTRIBUTES"] == "hangar.team=7,hangar.harness.id=hclaude"
+    assert "OTEL_LOG_USER_PROMPTS" not in env and "OTEL_LOG_TOOL_DETAILS" not in env
+    # No token in the harness's env: it comes with each process, as a secret, never in a file.
+    assert not any(TOKEN in v or "hgr_" in v for v in env.values())
+    h.env = {"OTEL_LOG_USER_PROMPTS": "1"}
+    assert _sandbox_env(h, "/usr/bin:/bin")["OTEL_LOG_USER_PROMPTS"] == "1"  # the harness opts in
