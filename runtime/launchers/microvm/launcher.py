@@ -54,6 +54,11 @@ TCG_TB_MB = 128
 CHECKPOINT_TIMEOUT = 120.0
 # Volumes a VM attaches (each a virtio-mmio transport; microvm has 24, four are the VM's own).
 MAX_VOLUMES = 16
+# The guest kernel's console file is cut back to its last CONSOLE_KEEP bytes once it passes
+# CONSOLE_MAX (at each stats call, every heartbeat): root in a guest can write to its serial
+# port without end, and the node's disk must not pay for it.
+CONSOLE_MAX = 1 << 20
+CONSOLE_KEEP = 64 << 10
 
 
 def _pid_alive(pid: int, marker: str) -> bool:
@@ -104,6 +109,25 @@ def _kill(pid: int, marker: str, timeout: float = 5.0) -> None:
         time.sleep(0.01)
     # Its command line empties while it is still exiting: wait for the exit itself.
     _reap(pid, max(0.0, deadline - time.monotonic()))
+
+
+def trim_console(path: Path, most: int, keep: int) -> bool:
+    """Cut the console file back to its last ``keep`` bytes once it is over ``most``; whether it
+    was. QEMU appends (``append=on``): what it writes meanwhile lands after the kept tail (a
+    line may be cut in two at the seam)."""
+    try:
+        with open(path, "rb+") as f:
+            size = f.seek(0, os.SEEK_END)
+            if size <= most:
+                return False
+            f.seek(size - keep)
+            tail = f.read(keep)
+            f.truncate(0)
+        with open(path, "ab") as f:
+            f.write(b"[hangar: the console's first %d bytes were dropped]\n" % (size - keep) + tail)
+        return True
+    except OSError:
+        return False
 
 
 class MicroVMLauncher(NetworkedMixin, AgentBackedLauncher):
@@ -384,7 +408,8 @@ class MicroVMLauncher(NetworkedMixin, AgentBackedLauncher):
             "-accel", accel if accel == "kvm" else f"tcg,tb-size={TCG_TB_MB}", "-cpu", "host" if accel == "kvm" else "max",
             "-m", str(spec.memory_mb), "-smp", str(handle["vcpus"]),
             "-nodefaults", "-no-user-config", "-nographic", "-no-reboot",
-            "-serial", f"file:{d / 'console.log'}",
+            # Appended to (so a cut-back file is written at its new end, not at QEMU's old offset).
+            "-chardev", f"file,id=console,path={d / 'console.log'},append=on", "-serial", "chardev:console",
             "-kernel", str(kern.vmlinuz), "-initrd", str(initrd), "-append", append,
             "-drive", f"id=root,file={root},format=raw,if=none,readonly=on",
             "-device", "virtio-blk-device,drive=root,serial=hangar-root",
@@ -624,6 +649,7 @@ class MicroVMLauncher(NetworkedMixin, AgentBackedLauncher):
         handle = self.handle_for(handle["id"]) | handle
         if not self._running(handle):
             raise self._unreachable(handle)
+        trim_console(self._dir(handle["id"]) / "console.log", CONSOLE_MAX, CONSOLE_KEEP)
         cpu = 0.0
         with contextlib.suppress(OSError, IndexError, ValueError):
             with open(f"/proc/{handle['qemu_pid']}/stat", "rb") as f:

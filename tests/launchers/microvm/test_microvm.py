@@ -153,6 +153,42 @@ def test_stats_count_qemu_s_cpu_and_the_guest_s_memory(launcher, vm):
     assert stats.memory_limit_bytes == 192 << 20
 
 
+def test_a_guest_writing_its_console_without_end_costs_the_node_a_bounded_file(launcher, vm, monkeypatch):
+    """Root in the guest writes to its serial port (the console file on the node): the file is
+    cut back to its tail at the next stats call, and QEMU goes on appending after it."""
+    from runtime.launchers.microvm import launcher as module
+
+    monkeypatch.setattr(module, "CONSOLE_MAX", 64 << 10)
+    monkeypatch.setattr(module, "CONSOLE_KEEP", 4 << 10)
+    console = launcher.sandboxes_dir / vm["id"] / "console.log"
+    sh(
+        launcher,
+        vm,
+        "head -c 200000 /dev/zero | tr '\\0' x > /dev/ttyS0; echo the-end > /dev/ttyS0",
+        timeout=120,
+    )
+    assert console.stat().st_size > 200_000
+    launcher.stats(vm)
+    kept = console.read_bytes()
+    assert len(kept) < (4 << 10) + 200 and kept.startswith(b"[hangar: the console's first ")
+    assert kept.rstrip().endswith(b"the-end"), kept[-100:]
+    sh(launcher, vm, "echo after-the-cut > /dev/ttyS0")
+    after = console.read_bytes()
+    assert after.startswith(kept) and after.rstrip().endswith(b"after-the-cut") and len(after) < 5 << 10
+
+
+def test_the_console_is_cut_back_only_past_its_bound(tmp_path):
+    from runtime.launchers.microvm.launcher import trim_console
+
+    path = tmp_path / "console.log"
+    path.write_bytes(b"a" * 100)
+    assert trim_console(path, 100, 10) is False and path.read_bytes() == b"a" * 100
+    path.write_bytes(b"a" * 90 + b"0123456789" + b"z")
+    assert trim_console(path, 100, 10) is True
+    assert path.read_bytes() == b"[hangar: the console's first 91 bytes were dropped]\n123456789z"
+    assert trim_console(tmp_path / "absent.log", 1, 1) is False
+
+
 def test_a_fresh_launcher_re_adopts_the_running_vm(launcher, vm, agent_cache_dir):
     fresh = make_launcher("microvm", launcher.state_dir, agent_cache_dir)
     assert fresh.states()[vm["id"]].status == "running"
