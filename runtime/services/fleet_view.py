@@ -54,7 +54,7 @@ class FleetView:
         self._nodes: list[NodeView] = []
         self._by_id: dict[int, NodeView] = {}
         self._read_at = -1e18
-        self._matches: dict[tuple[Any, ...], list[NodeView]] = {}
+        self._matches: tuple[list[NodeView], dict[tuple[Any, ...], list[NodeView]]] = ([], {})
 
     def nodes(self, placeable: Callable[[], QuerySet[Node]], *, fresh: bool = False) -> list[NodeView]:
         """The view, read again (``placeable()``: the nodes that take sandboxes) when ``fresh``
@@ -93,7 +93,7 @@ class FleetView:
         ]
         with self._lock:
             self._nodes, self._by_id, self._read_at = nodes, {n.id: n for n in nodes}, time.monotonic()
-            self._matches = {}
+            self._matches = (nodes, {})
 
     def matching(self, placeable: Callable[[], QuerySet[Node]], *, fresh: bool = False, runtime: str,
                  needs: tuple[str, ...], selector: Mapping[str, str], image_id: int,
@@ -101,12 +101,12 @@ class FleetView:
         """:func:`matching` over the view (read again as :meth:`nodes` says), remembered per
         spec until the next read: a run of placements of one spec filters the fleet once."""
         nodes = self.nodes(placeable, fresh=fresh)
-        matches = self._matches
+        of, matches = self._matches  # the read they were filtered from, with them (one attribute)
         key = (runtime, needs, tuple(sorted(selector.items())), image_id, node_id)
-        if (found := matches.get(key)) is None or nodes is not self._nodes:
+        if of is not nodes or (found := matches.get(key)) is None:
             found = matching(nodes, runtime=runtime, needs=needs, selector=selector, image_id=image_id,
                              node_id=node_id)  # fmt: skip
-            if nodes is self._nodes and len(matches) < 256:
+            if of is nodes and len(matches) < 256:
                 matches[key] = found
         return found
 

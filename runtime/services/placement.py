@@ -192,9 +192,9 @@ def node_pick_many(
         return []
     got: list[Node] = []
     with transaction.atomic(savepoint=False):
-        locked: dict[int, Node] = {}  # the rows this batch holds, as locked
+        locked: dict[int, Node] = {}  # the rows this batch holds (and uses), as locked
         taken: Counter[int] = Counter()  # this batch's placements on each
-        full: set[int] = set()  # found unable under their lock
+        full: set[int] = set()  # found unable under their lock (and let go)
         busy: set[int] = set()  # held by other placements when last asked
         for fresh in (False, True):
             while len(got) < count:
@@ -204,20 +204,14 @@ def node_pick_many(
                     if not busy:
                         break
                     waited = busy.pop()  # only held nodes are left: wait for one (holding ours)
-                    if (row := Node.objects.select_for_update().filter(id=waited).first()) is None:
-                        full.add(waited)
-                    else:
-                        locked[waited] = row
+                    _lock(p, [waited], wait=True, locked=locked, full=full, busy=busy)
                     continue
-                new = sorted(plan.keys() - locked.keys())
-                if new:
-                    rows = Node.objects.select_for_update(skip_locked=True).filter(id__in=new)
-                    locked.update((row.id, row) for row in rows.order_by("id"))
-                    busy.update(i for i in new if i not in locked)
+                if new := sorted(plan.keys() - locked.keys()):
+                    _lock(p, new, wait=False, locked=locked, full=full, busy=busy)
                 for nid, wanted in plan.items():
                     if (row := locked.get(nid)) is None:
                         continue
-                    fit = 0 if _unfit(row, p) else min(wanted, _room_for(row, p, taken[nid]))
+                    fit = _room_for(row, p, taken[nid], wanted)
                     taken[nid] += fit
                     got.extend([row] * fit)
                     if fit < wanted:
@@ -226,19 +220,61 @@ def node_pick_many(
             raise _refusal(p)
         if len(got) < count and not partial:
             raise NoCapacity(f"no room for {count} such sandboxes: the fleet takes {len(got)} now")
+    mcpu = round(p.cpu * 1000)
     for nid, n in taken.items():
         if n:
-            VIEW.reserved(locked[nid], p.cpu * n, p.memory_mb * n)
+            VIEW.reserved(locked[nid], n * mcpu / 1000, p.memory_mb * n)
     return got
 
 
-def _room_for(node: Node, p: Placement, already: int) -> int:
-    """How many more of ``p`` the locked row ``node`` takes, beyond ``already`` of this batch."""
-    free_cpu, free_mem = _free(node, node.millicpu_allocated / 1000 + already * p.cpu,
-                               node.memory_mb_allocated + already * p.memory_mb)  # fmt: skip
-    by_cpu = int((free_cpu + EPSILON) // p.cpu) if p.cpu > 0 else 1 << 30
-    by_mem = int(free_mem // p.memory_mb) if p.memory_mb > 0 else 1 << 30
-    return max(0, min(by_cpu, by_mem))
+def _lock(p: Placement, ids: list[int], *, wait: bool, locked: dict[int, Node], full: set[int],
+          busy: set[int]) -> None:  # fmt: skip
+    """Lock the rows of ``ids`` for the batch (those no other placement holds, unless ``wait``)
+    and keep those that can take one more of ``p`` in ``locked``; the others are let go at once
+    (a savepoint rolled back, as :func:`_reserve` does), so a full node is not held for the
+    batch's whole transaction, and go to ``full``; the rows another placement held go to
+    ``busy`` (a row that is gone, to ``full``)."""
+    sid = transaction.savepoint()
+    rows = {
+        r.id: r
+        for r in Node.objects.select_for_update(skip_locked=not wait).filter(id__in=ids).order_by("id")
+    }
+    for i in ids:
+        if i not in rows:
+            (full if wait else busy).add(i)
+    useless = {i for i, row in rows.items() if not _room_for(row, p, 0, 1)}
+    if not useless:
+        transaction.savepoint_commit(sid)
+        locked.update(rows)
+        return
+    transaction.savepoint_rollback(sid)  # which lets every row of that statement go
+    full.update(useless)
+    if again := [i for i in rows if i not in useless]:  # the useful ones, locked again
+        sid = transaction.savepoint()
+        rows = {
+            r.id: r
+            for r in Node.objects.select_for_update(skip_locked=True).filter(id__in=again).order_by("id")
+        }
+        transaction.savepoint_commit(sid)
+        busy.update(i for i in again if i not in rows)  # taken by another placement in between
+        locked.update(rows)  # (one filled in between holds no placement of the batch: its plan skips it)
+
+
+def _room_for(node: Node, p: Placement, already: int, wanted: int) -> int:
+    """How many of ``wanted`` more of ``p`` the locked row ``node`` takes beyond ``already`` of
+    this batch: counted as the counters will count them (CPU in whole thousandths, each
+    placement's ``round(cpu * 1000)``), with :func:`_short_of`'s test, as successive placements
+    would be."""
+    if _unfit(node, p):
+        return 0
+    mcpu = round(p.cpu * 1000)
+    fit = 0
+    while fit < wanted and not _short_of(
+        node, p, (node.millicpu_allocated + (already + fit) * mcpu) / 1000,
+        node.memory_mb_allocated + (already + fit) * p.memory_mb,
+    ):  # fmt: skip
+        fit += 1
+    return fit
 
 
 def _plan(p: Placement, want: int, *, fresh: bool, skip: set[int], locked: Mapping[int, Node],
@@ -250,30 +286,38 @@ def _plan(p: Placement, want: int, *, fresh: bool, skip: set[int], locked: Mappi
                           image_id=p.image.id, node_id=p.node_id)  # fmt: skip
     oc_cpu, oc_mem = settings.HANGAR_CPU_OVERCOMMIT, settings.HANGAR_MEMORY_OVERCOMMIT
     sign = 1 if _policy() == "pack" else -1
-    want_cpu, want_mem = p.cpu - EPSILON, p.memory_mb
+    want_cpu, want_mem, mcpu = p.cpu - EPSILON, p.memory_mb, round(p.cpu * 1000)
+    # Room as _candidates computes it from the counters (CPU in thousandths, as each placement
+    # adds ``round(cpu * 1000)``), so ties fall as they would for placements one at a time.
     heap = []
     for n in nodes:  # a plain loop over the whole fleet, once per round of a batch
         nid = n.id
         if nid in skip:
             continue
-        if nid in locked:  # the row as this batch holds it, less what the batch put there
+        if nid in locked:  # the row as this batch holds it, with what the batch put there
             row, already = locked[nid], taken.get(nid, 0)
-            free_cpu = n.cpu_capacity * oc_cpu - row.millicpu_allocated / 1000 - already * p.cpu
-            free_mem = n.memory_mb_capacity * oc_mem - row.memory_mb_allocated - already * p.memory_mb
+            alloc_m, alloc_mem = (
+                row.millicpu_allocated + already * mcpu,
+                row.memory_mb_allocated + already * want_mem,
+            )
         else:
-            free_cpu = n.cpu_capacity * oc_cpu - n.millicpu_allocated / 1000
-            free_mem = n.memory_mb_capacity * oc_mem - n.memory_mb_allocated
+            alloc_m, alloc_mem = n.millicpu_allocated, n.memory_mb_allocated
+        cap_cpu, cap_mem = n.cpu_capacity * oc_cpu, n.memory_mb_capacity * oc_mem
+        free_cpu, free_mem = cap_cpu - alloc_m / 1000, cap_mem - alloc_mem
         if free_cpu >= want_cpu and free_mem >= want_mem:
-            heap.append((sign * free_mem, sign * free_cpu, n.name, nid))
+            heap.append((sign * free_mem, sign * free_cpu, n.name, nid, cap_cpu, alloc_m, cap_mem, alloc_mem))
     heapq.heapify(heap)
     plan: Counter[int] = Counter()
     while want and heap:
-        mem_key, cpu_key, name, nid = heap[0]
+        _, _, name, nid, cap_cpu, alloc_m, cap_mem, alloc_mem = heap[0]
         plan[nid] += 1
         want -= 1
-        free_mem, free_cpu = sign * mem_key - p.memory_mb, sign * cpu_key - p.cpu
-        if free_cpu + EPSILON >= p.cpu and free_mem >= p.memory_mb:
-            heapq.heapreplace(heap, (sign * free_mem, sign * free_cpu, name, nid))
+        alloc_m, alloc_mem = alloc_m + mcpu, alloc_mem + want_mem
+        free_cpu, free_mem = cap_cpu - alloc_m / 1000, cap_mem - alloc_mem
+        if free_cpu >= want_cpu and free_mem >= want_mem:
+            heapq.heapreplace(
+                heap, (sign * free_mem, sign * free_cpu, name, nid, cap_cpu, alloc_m, cap_mem, alloc_mem)
+            )
         else:
             heapq.heappop(heap)
     return plan

@@ -23,6 +23,7 @@ from datetime import timedelta
 from typing import Any
 
 from django.conf import settings
+from django.db import OperationalError as DatabaseOperationalError
 from django.db import transaction
 from django.db.models.fields.json import KeyTransform
 from django.utils import timezone
@@ -37,11 +38,10 @@ from .checks import validate_limits, validate_node_selector, validate_runtime
 from .images import image_resolve
 from .nodes import runtime_require
 from .placement import selector_unmatched
-from .sandboxes import resolve_disk_mb, sandbox_delete, sandbox_start_members
+from .sandboxes import WARM, resolve_disk_mb, sandbox_delete, sandbox_start_members
 
 log = logging.getLogger(__name__)
 S = Sandbox.Status
-WARM = [S.PENDING, S.STARTING, S.RUNNING]
 
 
 def pools_for_team(*, team: Team) -> list[Pool]:
@@ -142,23 +142,37 @@ def pool_refill(*, pool_id: str) -> int:
         "node"
     ):
         sandbox_delete(sandbox=dead, reason=f"a failed member of warm pool {pool.id}: {dead.status_reason}")
-    have = Sandbox.objects.filter(pool=pool, claimed_at__isnull=True, status__in=WARM).count()
     started = 0
     error = ""
-    # All that are missing in one transaction, placed together; when fewer fit, the rest are
-    # asked for once more, which says why none does (quota, capacity) for the pool's last_error.
-    while (missing := pool.size - have - started) > 0:
+    # All that are missing in one transaction, placed together (counted under the pool's lock);
+    # when fewer fit, the rest are asked for once more, which says why none does (quota,
+    # capacity) for the pool's last_error.
+    while True:
         try:
-            started += len(sandbox_start_members(pool=pool, count=missing))
+            members = sandbox_start_members(pool=pool)
         except (NoCapacity, NotFound, InvalidValue, QuotaExceeded) as exc:
             error = exc.message
             break
+        except DatabaseOperationalError as exc:  # a deadlock between two batches' placements: the next refill
+            log.warning("pool %s: its members could not be placed: %s", pool.id, exc)
+            error = "its members' placement met another's and was rolled back; it is tried again"
+            break
+        if not members:
+            break
+        started += len(members)
     Pool.objects.filter(id=pool.id).update(last_error=error)
     return started
 
 
 def pools_refill_all() -> int:
-    return sum(pool_refill(pool_id=p) for p in Pool.objects.values_list("id", flat=True))
+    """Refill every pool (beat's sweep); one that fails is logged and the others go on."""
+    started = 0
+    for pool_id in Pool.objects.values_list("id", flat=True):
+        try:
+            started += pool_refill(pool_id=pool_id)
+        except Exception:  # noqa: BLE001 (one pool's trouble must not starve the others)
+            log.exception("the refill of pool %s failed", pool_id)
+    return started
 
 
 def pool_claim(

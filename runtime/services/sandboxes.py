@@ -368,21 +368,34 @@ def sandbox_wait(*, sandbox: Sandbox, timeout: float, statuses: Iterable[str] = 
 
 # -- warm pools' members ---------------------------------------------------------------------
 
+# An unclaimed member in these counts towards its pool's size.
+WARM = [S.PENDING, S.STARTING, S.RUNNING]
+
 
 def sandbox_start_member(*, pool: Any) -> Sandbox:
     """Start one member of a warm pool: the pool's spec, nobody's env, no expiry until claimed."""
     return sandbox_start_members(pool=pool, count=1)[0]
 
 
-def sandbox_start_members(*, pool: Any, count: int) -> list[Sandbox]:
-    """Start up to ``count`` members of a warm pool in one transaction: as many as the team's
-    quotas and the fleet's room allow (placed together, :func:`node_pick_many`), at least one,
-    else the refusal (quota, capacity) is raised."""
+def sandbox_start_members(*, pool: Any, count: int | None = None) -> list[Sandbox]:
+    """Start members of a warm pool in one transaction: ``count`` of them, or (None) as many as
+    it lacks, counted under the pool's lock (so two refills of one pool never both fill the
+    same gap); as many as the team's quotas and the fleet's room allow, placed together
+    (:func:`node_pick_many`). At least one, else the refusal (quota, capacity) is raised; none
+    (an empty list) when the pool lacks none."""
     image_row = image_resolve(pool.image)
     with transaction.atomic():
         # Locked, so a pool being deleted meanwhile gets no new member.
-        if not Pool.objects.select_for_update().filter(id=pool.id).exists():
+        size = Pool.objects.select_for_update().filter(id=pool.id).values_list("size", flat=True).first()
+        if size is None:
             raise NotFound(f"pool {pool.id} was deleted")
+        if count is None:
+            count = (
+                size
+                - Sandbox.objects.filter(pool_id=pool.id, claimed_at__isnull=True, status__in=WARM).count()
+            )
+        if count < 1:
+            return []
         quotas.lock_team(pool.team)
         count = _quota_room(pool, count)
         nodes = node_pick_many(count=count, partial=True, runtime=pool.runtime, cpu=pool.cpu,

@@ -11,7 +11,7 @@ import time
 from collections import Counter
 
 import pytest
-from django.db import connection, transaction
+from django.db import DatabaseError, OperationalError, connection, transaction
 
 from runtime.errors import NoCapacity
 from runtime.models import Node, Pool, Sandbox, Team
@@ -181,3 +181,108 @@ def test_a_pool_starts_its_missing_members_in_one_transaction_as_far_as_quota_an
     pool.refresh_from_db()
     assert pool.last_error == "no node: 2 full on memory"
     assert Sandbox.objects.filter(pool=pool).count() == 8
+
+
+def test_fractional_cpu_ties_fall_as_for_one_placement_after_another(team, settings):
+    settings.HANGAR_PLACEMENT = "spread"
+    settings.HANGAR_CPU_OVERCOMMIT = 1.0
+    a, b = _node("a", cpu=4, memory_mb=4096), _node("b", cpu=4, memory_mb=4096)
+    image = _image(a, b)
+    _run(team, b, cpu=0.3, memory_mb=0)  # b: 3.7 CPUs free; memory ties, so CPU decides
+    one_by_one = []
+    with transaction.atomic():
+        for _ in range(9):
+            one_by_one.append(node := node_pick(runtime="gvisor", cpu=0.1, memory_mb=0, image=image))
+            Sandbox.objects.create(team=team, image="img", image_digest="sha256:abc", node=node, cpu=0.1,
+                                   memory_mb=0, status=S.PENDING)  # fmt: skip
+        transaction.set_rollback(True)
+    VIEW.forget()
+    with transaction.atomic():
+        batch = node_pick_many(count=9, runtime="gvisor", cpu=0.1, memory_mb=0, image=image)
+        transaction.set_rollback(True)
+    assert [n.name for n in sorted(batch, key=lambda n: n.name)] == [
+        n.name for n in sorted(one_by_one, key=lambda n: n.name)
+    ]
+
+
+def test_a_node_found_full_under_its_lock_is_let_go_at_once(team):
+    a, b = _node("a", memory_mb=4096), _node("b", memory_mb=2048)
+    image = _image(a, b)
+    with transaction.atomic():  # the view is read: a has the most room
+        assert node_pick(runtime="gvisor", cpu=1, memory_mb=64, image=image) == a
+        transaction.set_rollback(True)
+    _run(team, a, memory_mb=4096)  # filled behind the view's back
+    placed, release = threading.Event(), threading.Event()
+    outcome: list = []
+
+    def batch() -> None:
+        try:
+            with transaction.atomic():
+                outcome.extend(node_pick_many(count=2, partial=True, runtime="gvisor", cpu=1, memory_mb=512,
+                                              image=image))  # fmt: skip
+                placed.set()
+                release.wait(10)
+        finally:
+            connection.close()
+
+    t = threading.Thread(target=batch)
+    t.start()
+    try:
+        assert placed.wait(10)
+        assert {n.name for n in outcome} == {"b"}
+        # a (found full) is not held by the batch's open transaction; b (used) is.
+        with transaction.atomic():
+            assert Node.objects.select_for_update(nowait=True).filter(id=a.id).exists()
+        with pytest.raises(DatabaseError), transaction.atomic():
+            Node.objects.select_for_update(nowait=True).filter(id=b.id).exists()
+    finally:
+        release.set()
+        t.join()
+
+
+def test_two_refills_of_one_pool_at_once_never_overfill_it(team, monkeypatch):
+    monkeypatch.setattr("runtime.services.sandboxes._enqueue", lambda *args: None)
+    a, b = _node("a", cpu=16, memory_mb=8192), _node("b", cpu=16, memory_mb=8192)
+    _image(a, b, name="busybox")
+    pool = Pool.objects.create(
+        team=team, image="busybox", runtime="gvisor", cpu=1, memory_mb=256, disk_mb=0, size=5
+    )
+    barrier = threading.Barrier(2)
+
+    def refill() -> None:
+        try:
+            barrier.wait()
+            pool_refill(pool_id=pool.id)
+        finally:
+            connection.close()
+
+    threads = [threading.Thread(target=refill) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert Sandbox.objects.filter(pool=pool).count() == 5
+
+
+def test_one_pool_s_failed_refill_does_not_keep_the_sweep_from_the_others(team, monkeypatch):
+    from runtime.services import pools
+
+    monkeypatch.setattr("runtime.services.sandboxes._enqueue", lambda *args: None)
+    a = _node("a", cpu=16, memory_mb=8192)
+    _image(a, name="busybox")
+    first = Pool.objects.create(
+        team=team, image="busybox", runtime="gvisor", cpu=1, memory_mb=256, disk_mb=0, size=1
+    )
+    second = Pool.objects.create(
+        team=team, image="busybox", runtime="gvisor", cpu=2, memory_mb=256, disk_mb=0, size=2
+    )
+    real = pools.pool_refill
+
+    def flaky(*, pool_id: str) -> int:
+        if pool_id == first.id:
+            raise OperationalError("deadlock detected")
+        return real(pool_id=pool_id)
+
+    monkeypatch.setattr(pools, "pool_refill", flaky)
+    assert pools.pools_refill_all() == 2
+    assert Sandbox.objects.filter(pool=second).count() == 2
