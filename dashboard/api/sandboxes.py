@@ -159,6 +159,11 @@ class SandboxOut(Schema):
     metadata: dict[str, Any]
     secrets: list[str] = Field(description="names of the team secrets it was given (values never come back)")
     previews: list[PreviewOut] = Field(description="preview URLs of its exposed ports")
+    open_ports: Literal["", "public", "private"] = Field(
+        description="every port of it has a preview URL besides `previews` (sandboxes created through "
+        "the E2B API): public, or private (its traffic access token, or the ways into any private preview); "
+        "empty: only `previews`"
+    )
     network: dict[str, Any] = Field(description="its egress policy ({} when it has no network)")
     auto_resume: bool
     volumes: list[VolumeMountOut]

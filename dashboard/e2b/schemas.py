@@ -128,10 +128,11 @@ def open_ports(body: NewSandboxIn) -> str:
     return "private" if body.network is not None and body.network.allow_public_traffic is False else "public"
 
 
-def traffic_access_token(sandbox: Sandbox) -> str | None:
+def traffic_access_token(sandbox: Sandbox, caller: Any) -> str | None:
     """What E2B's SDK keeps as ``traffic_access_token``: the token a private sandbox's ports
-    take in the ``e2b-traffic-access-token`` header; None for a public one."""
-    return previews.traffic_token(sandbox.id) if sandbox.open_ports == "private" else None
+    take in the ``e2b-traffic-access-token`` header, bound to the caller's API token (see
+    :func:`runtime.services.previews.traffic_token`); None for a public one."""
+    return previews.traffic_token(sandbox.id, caller.pk) if sandbox.open_ports == "private" else None
 
 
 def domain() -> str:
@@ -157,7 +158,7 @@ def created_out(sandbox: Sandbox, caller: Any) -> dict[str, Any]:
         "clientID": sandbox.node.name if sandbox.node else "",
         "envdVersion": ENVD_VERSION,
         "envdAccessToken": envd_access_token(sandbox.id, caller),
-        "trafficAccessToken": traffic_access_token(sandbox),
+        "trafficAccessToken": traffic_access_token(sandbox, caller),
         "domain": domain(),
     }
 

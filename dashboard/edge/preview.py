@@ -212,12 +212,13 @@ class Preview:
         if entry.get("public"):
             return None
         traffic = _header(self.scope, previews.TRAFFIC_HEADER.encode()).decode("latin-1")
-        if entry.get("open") and traffic:
-            # E2B's traffic access token, for a sandbox whose every port is private.
-            if previews.traffic_token_valid(traffic, sandbox.id):
+        refused_traffic = False
+        if sandbox.open_ports == "private" and traffic:
+            # E2B's traffic access token, for a sandbox whose every port is private (the ports
+            # exposed through Hangar's API too); a wrong one leaves the other ways in open.
+            if await blocking(previews.traffic_token_valid)(traffic, sandbox):
                 return None
-            raise Denied(403, "Wrong traffic access token",
-                         f"The {previews.TRAFFIC_HEADER} header does not hold this sandbox's traffic access token.")  # fmt: skip
+            refused_traffic = True
         if token is not None and previews.verify(token, sandbox.id, self.port):
             if self.scope["type"] == "http" and self.scope.get("method") in ("GET", "HEAD"):
                 # Into a cookie for this host, and the URL without it (not left in history). The
@@ -257,11 +258,15 @@ class Preview:
                 and await blocking(sandbox_reached)(caller=api_token, sandbox_id=sandbox.id)
             ):
                 return None
+        if refused_traffic:
+            raise Denied(403, "Wrong traffic access token",
+                         f"The {previews.TRAFFIC_HEADER} header does not hold a live traffic access token of "
+                         "this sandbox (its API token revoked, or of another sandbox).")  # fmt: skip
         raise Denied(401, "This preview is private",
                      "Open it from the link Hangar gives (the sandbox's page, or its previews in the API), "
                      "or send an API token of the sandbox's team as Authorization: Bearer"
-                     + (f", or the sandbox's traffic access token as {previews.TRAFFIC_HEADER}." if entry.get("open")
-                        else "."))  # fmt: skip
+                     + (f", or the sandbox's traffic access token as {previews.TRAFFIC_HEADER}."
+                        if sandbox.open_ports == "private" else "."))  # fmt: skip
 
     async def _running(self, sandbox: Sandbox) -> Sandbox:
         if sandbox.status == S.RUNNING:

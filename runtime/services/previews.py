@@ -133,6 +133,9 @@ def port_unexpose(*, sandbox: Sandbox, port: int) -> None:
     with transaction.atomic():
         row = Sandbox.objects.select_for_update().get(id=sandbox.id)
         if not any(p["port"] == port for p in row.ports or []):
+            if row.open_ports:
+                raise NotFound(f"port {port} of sandbox {sandbox.id} has no preview URL of its own to remove: every "
+                               f"port of this sandbox is open ({row.open_ports}, as E2B's sandboxes are), for its life")  # fmt: skip
             raise NotFound(f"port {port} of sandbox {sandbox.id} has no preview URL")
         row.ports = [p for p in row.ports if p["port"] != port]
         row.save(update_fields=["ports", "updated_at"])
@@ -172,12 +175,41 @@ def port_entry(sandbox: Sandbox, port: int) -> dict[str, Any] | None:
     return found
 
 
-def traffic_token(sandbox_id: str) -> str:
+def traffic_token(sandbox_id: str, token_id: int) -> str:
     """The token that opens a private sandbox's every port (``open_ports`` "private"), sent as
-    the ``e2b-traffic-access-token`` header: derived from the sandbox id under SECRET_KEY, never
-    stored; given to whoever created or connects to the sandbox through E2B's API."""
-    return salted_hmac(_TRAFFIC_SALT, sandbox_id, algorithm="sha256").hexdigest()
+    the ``e2b-traffic-access-token`` header, for the API token ``token_id`` that asked for it:
+    ``<API token id>.<HMAC of the sandbox id and that id under SECRET_KEY>``. Derived, never
+    stored; it opens the ports only while that API token is live, of the sandbox's team, may read
+    its sandboxes and reaches this one (:func:`traffic_token_valid`), so revoking the API token
+    (or the user's leaving the team) closes them too."""
+    mac = salted_hmac(_TRAFFIC_SALT, f"{sandbox_id}:{token_id}", algorithm="sha256").hexdigest()
+    return f"{token_id}.{mac}"
 
 
-def traffic_token_valid(token: str, sandbox_id: str) -> bool:
-    return bool(token) and constant_time_compare(token, traffic_token(sandbox_id))
+_TRAFFIC_OK: dict[tuple[str, str], float] = {}  # (token, sandbox id) -> until when it was found valid
+TRAFFIC_CACHE_S = 2.0  # a page load's dozens of requests check the API token once
+
+
+def traffic_token_valid(token: str, sandbox: Sandbox) -> bool:
+    """Whether ``token`` is this sandbox's traffic token for an API token that may still read
+    it (checked at most every :data:`TRAFFIC_CACHE_S` per token and sandbox)."""
+    from .auth import sandbox_reached, token_allows, token_current
+
+    head, _, _ = token.partition(".")
+    if not head.isdigit() or not constant_time_compare(token, traffic_token(sandbox.id, int(head))):
+        return False
+    key, now = (token, sandbox.id), time.monotonic()
+    if _TRAFFIC_OK.get(key, 0.0) > now:
+        return True
+    api_token = token_current(token_id=int(head))
+    valid = bool(
+        api_token is not None and api_token.team_id == sandbox.team_id and token_allows(api_token, "sandboxes:read")
+        and sandbox_reached(caller=api_token, sandbox_id=sandbox.id)
+    )  # fmt: skip
+    if valid:
+        if len(_TRAFFIC_OK) > 10_000:
+            _TRAFFIC_OK.clear()
+        _TRAFFIC_OK[key] = now + TRAFFIC_CACHE_S
+    else:
+        _TRAFFIC_OK.pop(key, None)
+    return valid

@@ -405,7 +405,7 @@ def _get(server: str, sbx: Sandbox, path: str, **headers: str) -> httpx.Response
 
 
 @requires_runsc
-def test_every_port_is_reached_at_get_host_public_or_with_the_traffic_access_token(e2b, server):
+def test_every_port_is_reached_at_get_host_public_or_with_the_traffic_access_token(e2b, server, api):
     public = Sandbox.create("busybox", timeout=120, allow_internet_access=False)
     private = Sandbox.create("busybox", timeout=120, allow_internet_access=False,
                              network={"allow_public_traffic": False})  # fmt: skip
@@ -432,6 +432,17 @@ def test_every_port_is_reached_at_get_host_public_or_with_the_traffic_access_tok
         assert r.status_code == 200, r.text
         # The token is Hangar's, never the app's: it is not passed on.
         assert "HTTP_HOST" in r.text and "TRAFFIC" not in r.text.upper(), r.text
+
+        # Each key gets a token of its own, which lasts as long as that key.
+        made = api.post("/tokens", json={"name": "e2b-traffic"})
+        assert made.status_code == 201, made.text
+        theirs = Sandbox.connect(private.sandbox_id, api_key=made.json()["token"]).traffic_access_token
+        assert theirs and theirs != token
+        assert _get(server, private, "/", **{"e2b-traffic-access-token": theirs}).status_code == 200
+        assert api.delete(f"/tokens/{made.json()['id']}").status_code == 204
+        wait_until(lambda: _get(server, private, "/", **{"e2b-traffic-access-token": theirs}).status_code == 403,
+                   10, what="the revoked key's traffic token refused")  # fmt: skip
+        assert _get(server, private, "/", **{"e2b-traffic-access-token": token}).status_code == 200
     finally:
         public.kill()
         private.kill()

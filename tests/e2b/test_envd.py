@@ -129,8 +129,8 @@ def test_commands_run_as_the_image_s_own_user_unless_another_is_named(e2b):
     from runtime.node.local import image_store
     from runtime.services.images import image_register
 
-    info = image_store().get(Image.objects.get(name="busybox").digest)
-    image_register(info=dataclasses.replace(info, config={**info.config, "user": "nobody:nogroup"}),
+    info_of_busybox = image_store().get(Image.objects.get(name="busybox").digest)
+    image_register(info=dataclasses.replace(info_of_busybox, config={**info_of_busybox.config, "user": "nobody:nogroup"}),
                    name="busybox-as-nobody")  # fmt: skip
     sbx = Sandbox.create("busybox-as-nobody", timeout=120, allow_internet_access=False)
     try:
@@ -148,8 +148,25 @@ def test_commands_run_as_the_image_s_own_user_unless_another_is_named(e2b):
         wait_until(lambda: b"uid-65534" in seen, 15, what="the PTY's user")
         assert sbx.pty.kill(term.pid) is True
         reader.join(10)
+        # Files written through envd are the image user's, and a relative path is under its home.
+        info = sbx.files.write("notes/mine.txt", "mine\n")
+        assert info.path == "/nonexistent/notes/mine.txt"
+        assert sbx.commands.run("stat -c %u /nonexistent/notes/mine.txt").stdout == "65534\n"
+        sbx.commands.run("echo more >> notes/mine.txt", cwd="/nonexistent")  # as nobody, who may
+        assert sbx.files.read("notes/mine.txt") == "mine\nmore\n"
+        assert sbx.files.make_dir("built") is True
+        assert sbx.commands.run("stat -c %u /nonexistent/built").stdout == "65534\n"
     finally:
         sbx.kill()
+    # A bare uid is found by number; one the image has no entry for runs as root, as before.
+    for user, expected in (("65534", "nobody\n"), ("4242", "root\n")):
+        image_register(info=dataclasses.replace(info_of_busybox, config={**info_of_busybox.config, "user": user}),
+                       name=f"busybox-as-{user}")  # fmt: skip
+        box = Sandbox.create(f"busybox-as-{user}", timeout=60, allow_internet_access=False)
+        try:
+            assert box.commands.run("id -un").stdout == expected, user
+        finally:
+            box.kill()
 
 
 def test_files_and_pty(e2b):
@@ -382,6 +399,7 @@ def test_a_gzipped_upload_unpacking_past_the_file_limit_is_a_413(settings):
     from django.test import RequestFactory
 
     from dashboard.e2b.envd.files import _decoded
+    from dashboard.e2b.envd.protocol import RpcError
     from runtime.errors import TooLarge
 
     settings.HANGAR_FILE_MAX_BYTES = 4096
@@ -393,6 +411,20 @@ def test_a_gzipped_upload_unpacking_past_the_file_limit_is_a_413(settings):
     assert _decoded(request(gzip.compress(b"a" * 4096))) == b"a" * 4096  # up to the limit, whole
     with pytest.raises(TooLarge, match="HANGAR_FILE_MAX_BYTES"):
         _decoded(request(gzip.compress(b"\0" * (10 * 1024 * 1024))))  # 10 MiB of zeros in ~10 KB
+    # A file of several members (`gzip -c a b`, pigz) is every member's bytes, within the limit too.
+    assert _decoded(request(gzip.compress(b"first ") + gzip.compress(b"second"))) == b"first second"
+    with pytest.raises(TooLarge):
+        _decoded(request(gzip.compress(b"a" * 3000) + gzip.compress(b"b" * 3000)))
+    # While two are being unpacked, a third is told to come back.
+    from dashboard.e2b.envd import files
+
+    assert files._UNPACKING.acquire(blocking=False) and files._UNPACKING.acquire(blocking=False)
+    try:
+        with pytest.raises(RpcError, match="too many compressed uploads"):
+            _decoded(request(gzip.compress(b"x")))
+    finally:
+        files._UNPACKING.release()
+        files._UNPACKING.release()
 
 
 def test_envd_uploads_and_input_have_their_data_limits(settings):

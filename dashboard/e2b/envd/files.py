@@ -5,6 +5,7 @@ part's filename its whole destination path, or ``application/octet-stream`` to `
 from __future__ import annotations
 
 import io
+import threading
 import zlib
 from typing import Any
 
@@ -24,6 +25,7 @@ from runtime.errors import TooLarge
 from runtime.services import sandbox_io as io_svc
 
 from ..schemas import error
+from . import users
 from .filesystem import resolve
 from .protocol import HTTP_STATUS, Caller, RpcError, authorise, require_running, rpc_error
 
@@ -68,7 +70,8 @@ def _call(request: HttpRequest) -> Caller:
     caller = authorise(request)
     require_running(caller)
     if caller.user not in ("", "root") or request.GET.get("username", "root") != "root":
-        raise RpcError("invalid_argument", "Hangar's sandboxes run as root; other users are not supported")
+        raise RpcError("invalid_argument", "files are written as root and handed to the image's own user; "
+                       "naming another user for /files is not supported")  # fmt: skip
     return caller
 
 
@@ -93,7 +96,7 @@ async def files(request: HttpRequest) -> HttpResponseBase:
 async def _download(request: HttpRequest) -> HttpResponseBase:
     try:
         caller = await blocking(_call)(request)
-        path = resolve(request.GET.get("path", ""))
+        path = await blocking(lambda: resolve(request.GET.get("path", ""), users.home(caller)))()
         entry, chunks = await blocking(lambda: io_svc.sandbox_file_read(sandbox=caller.sandbox, path=path))()
         if entry.type == "dir":
             raise RpcError("invalid_argument", f"{path} is a directory")
@@ -119,10 +122,12 @@ async def _upload(request: HttpRequest) -> HttpResponse:
         else:
             raise RpcError("invalid_argument", "send multipart/form-data or application/octet-stream")
         done = []
+        home = users.home(caller)
         for name, data in parts:
-            path = resolve(name)
+            path = resolve(name, home)
             io_svc.sandbox_file_write(sandbox=caller.sandbox, path=path, data=[data], size=len(data))
             done.append(_written(path))
+        users.hand_over(caller, [d["path"] for d in done])  # the image's user's, as E2B writes them
         return done
 
     try:
@@ -131,27 +136,47 @@ async def _upload(request: HttpRequest) -> HttpResponse:
         return _failed(exc)
 
 
+# Gzipped uploads unpacked at once by this process: each may hold up to the file limit twice
+# (the body and what it unpacks to), so a few small bodies cannot take the server's memory.
+_UNPACKING = threading.BoundedSemaphore(2)
+
+
 def _decoded(request: HttpRequest) -> bytes:
     """An octet-stream upload's bytes: as sent, or gunzipped (``Content-Encoding: gzip``, which
-    the SDK sends with ``gzip=True`` to envd 0.5.7 and later), never past the file limit once
-    unpacked (a 413, as for a file sent whole that large)."""
+    the SDK sends with ``gzip=True`` to envd 0.5.7 and later; every member of a multi-member
+    file), never past the file limit once unpacked (a 413, as for a file sent whole that large)."""
     encoding = request.headers.get("Content-Encoding", "identity").strip().lower()
     if encoding in ("", "identity"):
         return request.body
     if encoding != "gzip":
         raise RpcError("invalid_argument", f"Content-Encoding {encoding!r}: send the file as it is, or gzip")
-    limit = settings.HANGAR_FILE_MAX_BYTES
-    unpack = zlib.decompressobj(wbits=16 + zlib.MAX_WBITS)
+    if not _UNPACKING.acquire(blocking=False):
+        raise RpcError("resource_exhausted", "too many compressed uploads at once on this server; try again")
     try:
-        data = unpack.decompress(request.body, limit + 1)
-        if len(data) > limit or unpack.unconsumed_tail:
+        return _gunzip(request.body, settings.HANGAR_FILE_MAX_BYTES)
+    finally:
+        _UNPACKING.release()
+
+
+def _gunzip(body: bytes, limit: int) -> bytes:
+    out = bytearray()
+    rest = body
+    while True:
+        unpack = zlib.decompressobj(wbits=16 + zlib.MAX_WBITS)
+        try:
+            out += unpack.decompress(rest, limit + 1 - len(out))
+            if len(out) > limit or unpack.unconsumed_tail:
+                raise TooLarge(f"the file unpacks to more than HANGAR_FILE_MAX_BYTES ({limit} bytes)")
+            out += unpack.flush()
+        except zlib.error as exc:
+            raise RpcError("invalid_argument", f"the gzip body could not be unpacked: {exc}") from None
+        if not unpack.eof:
+            raise RpcError("invalid_argument", "the gzip body is cut short")
+        if len(out) > limit:
             raise TooLarge(f"the file unpacks to more than HANGAR_FILE_MAX_BYTES ({limit} bytes)")
-        data += unpack.flush()
-    except zlib.error as exc:
-        raise RpcError("invalid_argument", f"the gzip body could not be unpacked: {exc}") from None
-    if not unpack.eof:
-        raise RpcError("invalid_argument", "the gzip body is cut short")
-    return data
+        rest = unpack.unused_data
+        if not rest.strip(b"\0"):  # another member follows, or only padding (gzip's trailing zeros)
+            return bytes(out)
 
 
 def _parts(request: HttpRequest) -> list[tuple[str, bytes]]:

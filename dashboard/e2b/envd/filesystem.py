@@ -23,6 +23,7 @@ from runtime.errors import NotFound, ServiceError
 from runtime.launchers.base import FileEntry
 from runtime.services import sandbox_io as io_svc
 
+from . import users
 from .protocol import Caller, RpcError, require_running, still_authorised
 
 HOME = "/root"
@@ -37,12 +38,13 @@ _MOVE = '[ -e "$1" ] || [ -L "$1" ] || exit 2; mkdir -p -- "$(dirname -- "$2")" 
 _REMOVE = '[ -e "$1" ] || [ -L "$1" ] || exit 2; rm -rf -- "$1"'
 
 
-def resolve(path: Any) -> str:
+def resolve(path: Any, home: str = HOME) -> str:
+    """An absolute path: a relative one is under ``home`` (the acting user's: :func:`users.home`)."""
     if not isinstance(path, str) or not path:
         raise RpcError("invalid_argument", "path is empty")
     if "\0" in path:
         raise RpcError("invalid_argument", "path contains a NUL byte")
-    return posixpath.normpath(posixpath.join(HOME, path)) if path != "/" else "/"
+    return posixpath.normpath(posixpath.join(home, path)) if path != "/" else "/"
 
 
 def entry_info(entry: FileEntry) -> dict[str, Any]:
@@ -94,20 +96,22 @@ def _call(fn: Any) -> Any:
 
 @_call
 def stat(caller: Caller, message: dict[str, Any]) -> dict[str, Any]:
-    return {"entry": entry_info(_stat(caller, resolve(message.get("path"))))}
+    return {"entry": entry_info(_stat(caller, resolve(message.get("path"), users.home(caller))))}
 
 
 @_call
 def make_dir(caller: Caller, message: dict[str, Any]) -> dict[str, Any]:
-    path = resolve(message.get("path"))
+    path = resolve(message.get("path"), users.home(caller))
     if _run(caller, _MAKE_DIR, path) == _EXISTS:
         raise RpcError("already_exists", f"{path} already exists")
+    users.hand_over(caller, [path])
     return {"entry": entry_info(_stat(caller, path))}
 
 
 @_call
 def move(caller: Caller, message: dict[str, Any]) -> dict[str, Any]:
-    source, destination = resolve(message.get("source")), resolve(message.get("destination"))
+    home = users.home(caller)
+    source, destination = resolve(message.get("source"), home), resolve(message.get("destination"), home)
     if _run(caller, _MOVE, source, destination) == _MISSING:
         raise RpcError("not_found", f"no such file or directory: {source}")
     return {"entry": entry_info(_stat(caller, destination))}
@@ -115,7 +119,7 @@ def move(caller: Caller, message: dict[str, Any]) -> dict[str, Any]:
 
 @_call
 def remove(caller: Caller, message: dict[str, Any]) -> dict[str, Any]:
-    path = resolve(message.get("path"))
+    path = resolve(message.get("path"), users.home(caller))
     if _run(caller, _REMOVE, path) == _MISSING:
         raise RpcError("not_found", f"no such file or directory: {path}")
     return {}
@@ -148,7 +152,7 @@ def _listing(caller: Caller, path: str, depth: int) -> list[FileEntry]:
 
 @_call
 def list_dir(caller: Caller, message: dict[str, Any]) -> dict[str, Any]:
-    path = resolve(message.get("path"))
+    path = resolve(message.get("path"), users.home(caller))
     depth = int(message.get("depth") or 1)
     return {"entries": [entry_info(e) for e in _listing(caller, path, depth)]}
 
@@ -188,7 +192,7 @@ def _changes(root: str, before: Snapshot, after: Snapshot, with_entry: bool) -> 
 
 @_call
 def create_watcher(caller: Caller, message: dict[str, Any]) -> dict[str, Any]:
-    path, recursive = resolve(message.get("path")), bool(message.get("recursive"))
+    path, recursive = resolve(message.get("path"), users.home(caller)), bool(message.get("recursive"))
     with_entry = bool(message.get("includeEntry"))
     if _stat(caller, path).type != "dir":
         raise RpcError("invalid_argument", f"{path} is not a directory")
@@ -227,16 +231,17 @@ async def watch_dir(
 ) -> AsyncIterator[dict[str, Any]]:
     """``WatchDir``: a start, then the changes seen every :data:`WATCH_POLL_S`, a keepalive
     after ``HANGAR_STREAM_KEEPALIVE_S`` of quiet; until the client leaves or its access ends."""
-    path, recursive = resolve(message.get("path")), bool(message.get("recursive"))
+    recursive = bool(message.get("recursive"))
     with_entry = bool(message.get("includeEntry"))
 
-    def first() -> Snapshot:
+    def first() -> tuple[str, Snapshot]:
         require_running(caller)
+        path = resolve(message.get("path"), users.home(caller))
         if _stat(caller, path).type != "dir":
             raise RpcError("invalid_argument", f"{path} is not a directory")
-        return _snapshot(caller, path, recursive)
+        return path, _snapshot(caller, path, recursive)
 
-    before = await blocking(first)()
+    path, before = await blocking(first)()
     yield {"start": {}}
     poll, quiet_since = WATCH_POLL_S, time.monotonic()
     while True:

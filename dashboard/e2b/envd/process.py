@@ -16,10 +16,11 @@ from django.http import HttpRequest
 from dashboard.auth_watch import AuthWatch
 from runtime.aio import blocking
 from runtime.errors import InvalidValue, ServiceError
-from runtime.models import Exec, Image
+from runtime.models import Exec
 from runtime.services import processes as proc_svc
 from runtime.services import sandbox_io as io_svc
 
+from . import users
 from .protocol import Caller, RpcError, b64, require_running, still_authorised, unb64
 
 # A command that runs as root with the program it names starts as it is (bash where asked for
@@ -62,24 +63,6 @@ def _argv(caller: Caller, cmd: str, args: list[str], pty: bool, user: str) -> li
         if has_bash is not None:
             return [cmd if has_bash else "/bin/sh", *args]
     return [*_SH, _MARK_PTY if pty else _MARK_CMD, user, cmd, *args]
-
-
-_IMAGE_USER: dict[tuple[str, str], str] = {}  # (image name, digest) -> its default user ("" : root)
-
-
-def _image_user(caller: Caller) -> str:
-    """The user the sandbox's image runs as (OCI ``config.User``: a name or uid, before any
-    ``:group``), "" for root; read once per image name and digest (its config is the digest's)."""
-    sandbox = caller.sandbox
-    key = (sandbox.image, sandbox.image_digest)
-    if (user := _IMAGE_USER.get(key)) is None:
-        config = Image.objects.filter(name=sandbox.image).values_list("config", flat=True).first() or {}
-        user = str(config.get("user") or "").split(":", 1)[0].strip() if isinstance(config, dict) else ""
-        user = "" if user in ("root", "0") else user
-        if len(_IMAGE_USER) > 10_000:
-            _IMAGE_USER.clear()
-        _IMAGE_USER[key] = user
-    return user
 
 
 def _is_pty(row: Exec) -> bool:
@@ -235,10 +218,9 @@ async def start(
     if cmd == "/bin/bash" and caller.sandbox.id not in _HAS_BASH:
         await blocking(_has_bash)(caller)
     # The user the SDK named, else the image's own (as E2B's templates run as theirs).
-    user = caller.user
-    if not user:
-        known = _IMAGE_USER.get((caller.sandbox.image, caller.sandbox.image_digest))
-        user = await blocking(_image_user)(caller) if known is None else known
+    user = caller.user or users.known_default_user(caller)
+    if user is None:
+        user = await blocking(users.default_user)(caller)
     argv = _argv(caller, cmd, args, pty is not None, user)
     envs = {str(k): str(v) for k, v in (config.get("envs") or {}).items()}
     if pty is not None:
