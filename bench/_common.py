@@ -151,13 +151,16 @@ def destroy_leftovers(data_dir: Path) -> None:
     """Whatever a run left behind (sandboxes, spare disks, volume mounts) must not outlive the bench's
     data dir."""
     sys.path.insert(0, str(ROOT))
+    from runtime.host.hostnames import node_id
     from runtime.host.volumes import VolumeStore
     from runtime.launchers.gvisor.launcher import GVisorLauncher
 
-    launcher = GVisorLauncher(state_dir=data_dir / "runtime" / "gvisor")
+    # The node's own id (kept in its data dir): its names, its nftables table, are the node's.
+    launcher = GVisorLauncher(state_dir=data_dir / "runtime" / "gvisor", node_id=node_id(data_dir))
     for sandbox_id in launcher.states():
         launcher.destroy(launcher.handle_for(sandbox_id))
     launcher.release_spares()  # the node's spare sandbox disks (loop mounts)
+    launcher.network.remove_base()  # its nftables tables and address pool
     store = VolumeStore(data_dir / "volumes")
     for volume_id in store.list():
         store.delete(volume_id)

@@ -204,6 +204,9 @@ def test_hangar_up_runs_stops_cleanly_and_sandboxes_survive_a_restart(tmp_path):
     wait_until(lambda: api.get(f"/sandboxes/{sid}").json()["status"] == "deleted", 30, what="deleted")
     assert up.stop() == 0
     wait_until(lambda: not _hangar_processes(data_dir), 20, what="every hangar process to exit")
+    from tests.reliability.stack import destroy_leftovers
+
+    destroy_leftovers(data_dir)  # its node's nftables tables (its sandboxes are gone already)
 
 
 def test_token_create_for_unknown_user_fails_clearly(tmp_path):

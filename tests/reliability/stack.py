@@ -368,12 +368,14 @@ def mount_disk(image: Path, at: Path, size_mb: int) -> None:
 
 def destroy_leftovers(data_dir: Path) -> None:
     """Whatever a node left of its sandboxes on the host (runsc, their disks, networks)."""
+    from runtime.host.hostnames import node_id
     from runtime.launchers.gvisor.launcher import GVisorLauncher
 
     state = data_dir / "runtime" / "gvisor"
     if not state.exists():
         return
-    launcher = GVisorLauncher(state_dir=state)
+    # The node's own id (kept in its data dir), so its names are the node's: its nftables table.
+    launcher = GVisorLauncher(state_dir=state, node_id=node_id(data_dir))
     for sandbox_id in launcher.states():
         with contextlib.suppress(Exception):
             launcher.destroy(launcher.handle_for(sandbox_id))
