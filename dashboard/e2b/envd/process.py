@@ -31,7 +31,8 @@ _LAUNCH = (
     'u=$1; p=$2; shift 2; if [ "$p" = /bin/bash ] && [ ! -x /bin/bash ]; then p=/bin/sh; fi; '
     'if [ -z "$u" ] || [ "$u" = root ]; then exec "$p" "$@"; fi; '
     'id -u "$u" >/dev/null 2>&1 || { echo "user $u does not exist in this sandbox" >&2; exit 126; }; '
-    'exec su -s /bin/sh "$u" -c \'exec "$0" "$@"\' "$p" "$@"'
+    # Options first, then --: busybox's su would take the program's own options (-i, -l) as its.
+    'exec su -s /bin/sh -c \'exec "$0" "$@"\' -- "$u" "$p" "$@"'
 )
 _SH = ["/bin/sh", "-c", _LAUNCH]
 _MARK_CMD, _MARK_PTY = "e2b-process", "e2b-pty"
