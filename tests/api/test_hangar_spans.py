@@ -177,3 +177,36 @@ def test_an_agent_s_own_spans_join_its_run_s_trace(api, minimal_image):
     assert chat["attributes"]["gen_ai.request.model"] == "scripted-model"
     assert chat["resource"]["service.name"] == "scripted-agent", chat
     assert [t["trace_id"] for t in api.get("/traces", params={"run": run["id"]}).json()] == [run["trace_id"]]
+
+
+def test_a_sandbox_s_other_operations_are_each_a_span_tied_to_it(api):
+    """Files read, a terminal opened, a pause, a resume and the delete: each a trace of its own
+    (no traceparent), its root span named for the operation and tied to the sandbox."""
+    sb = api.post("/sandboxes", json={"image": "busybox", "memory_mb": 256}).json()
+    sid = sb["id"]
+    assert sb["status"] == "running", sb
+    assert api.put(f"/sandboxes/{sid}/files", params={"path": "/tmp/a.txt"}, content=b"a").status_code == 200
+    assert api.get(f"/sandboxes/{sid}/files", params={"path": "/tmp/a.txt"}).content == b"a"
+    term = api.post(f"/sandboxes/{sid}/terminals", json={"cmd": ["sh"]})
+    assert term.status_code == 201, term.text
+    assert api.post(f"/sandboxes/{sid}/pause", json={"wait": True}).json()["status"] == "paused"
+    assert api.post(f"/sandboxes/{sid}/resume", json={"wait": True}).json()["status"] == "running"
+    assert api.delete(f"/sandboxes/{sid}").status_code == 204
+    for name in (
+        "file.write",
+        "file.read",
+        "terminal.open",
+        "sandbox.pause",
+        "sandbox.resume",
+        "sandbox.delete",
+    ):
+        root = _traces_of(api, sid, name)[0]
+        spans = _trace(api, root["trace_id"], {name})
+        assert spans[name]["attributes"]["hangar.sandbox.id"] == sid, name
+        assert spans[name]["parent_span_id"] is None and spans[name]["status"]["code"] != "error", name
+    assert (
+        _trace(api, _traces_of(api, sid, "file.read")[0]["trace_id"], {"file.read"})["file.read"][
+            "attributes"
+        ]["file.path"]
+        == "/tmp/a.txt"
+    )

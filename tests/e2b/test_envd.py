@@ -108,6 +108,13 @@ def test_commands_run_stream_fail_and_run_in_the_background(e2b):
         with pytest.raises(NotFoundException):
             sbx.commands.connect(proc.pid)
 
+        # Input streamed in chunks (StreamInput, a client stream), then stdin closed: cat sees it all.
+        cat = sbx.commands.run("cat > /tmp/streamed; echo done", background=True, stdin=True)
+        sbx.commands.stream_input(cat.pid, (f"chunk {i}\n" for i in range(50)))
+        sbx.commands.close_stdin(cat.pid)
+        assert cat.wait().stdout == "done\n"
+        assert sbx.files.read("/tmp/streamed") == "".join(f"chunk {i}\n" for i in range(50))
+
         # Median of a trivial command on a running sandbox, through the SDK (the target: 25 ms).
         times = []
         for _ in range(20):
