@@ -289,6 +289,40 @@ def test_access_token_is_required_and_bound_to_a_live_token_of_the_team(e2b, ser
 
 
 @requires_runsc
+def test_a_quiet_stream_sends_keepalive_events_as_often_as_the_client_asks(e2b):
+    """Start's stream for a command that prints nothing for a while: keepalive events every
+    ``Keepalive-Ping-Interval`` seconds (the SDK sends the header), then its end."""
+    sbx = Sandbox.create("busybox", timeout=120, allow_internet_access=False)
+    try:
+        headers = {"E2b-Sandbox-Id": sbx.sandbox_id, "X-Access-Token": sbx._envd_access_token,
+                   "Content-Type": "application/connect+json", "Keepalive-Ping-Interval": "1"}  # fmt: skip
+        body = _envelope({"process": {"cmd": "/bin/sh", "args": ["-c", "sleep 3.5; echo late"]}})
+        r = httpx.post(f"{e2b}/process.Process/Start", content=body, headers=headers, timeout=60)
+        assert r.status_code == 200, r.text
+        events, at = [], 0
+        while at < len(r.content):
+            flags, size = struct.unpack(">BI", r.content[at : at + 5])
+            message = json.loads(r.content[at + 5 : at + 5 + size])
+            events.append("end-of-stream" if flags & 0x02 else next(iter(message["event"])))
+            at += 5 + size
+        assert events[0] == "start" and events[-2:] == ["end", "end-of-stream"], events
+        assert events.count("keepalive") >= 2, events  # 3.5 s of quiet, one every second
+        assert "data" in events[events.index("keepalive") :], events
+    finally:
+        sbx.kill()
+
+
+@requires_runsc
+def test_an_image_with_bash_runs_commands_under_bash(e2b, minimal_image):
+    sbx = Sandbox.create(minimal_image, timeout=120, allow_internet_access=False)
+    try:
+        r = sbx.commands.run('echo "bash $BASH_VERSION"; shopt -q login_shell && echo login')
+        assert r.stdout.startswith("bash 5") and r.stdout.endswith("login\n"), r.stdout
+    finally:
+        sbx.kill()
+
+
+@requires_runsc
 def test_a_gzipped_upload_is_unpacked_and_a_bad_one_refused(e2b):
     import gzip
 
