@@ -29,15 +29,17 @@ def make(headers: dict[str, str], path: str = "/", query: str = "", kind: str = 
 class Row:
     id, team_id = "sbunit1", 1
 
-    def __init__(self, public: bool = False) -> None:
+    def __init__(self, public: bool = False, open_ports: str = "") -> None:
         self.ports = [{"port": 8000, "public": public}]
+        self.open_ports = open_ports
 
 
 def test_hangar_tokens_and_cookie_never_go_upstream_and_the_query_is_kept_verbatim():
     p = make({"Host": "8000-sbunit1.localhost", "Authorization": "Bearer hgr_secret", "Cookie":
-              "hangar_preview=abc; app=1"}, query="flag&x=%FF&hangar_token=t")  # fmt: skip
+              "hangar_preview=abc; app=1", "e2b-traffic-access-token": "1.abc"}, query="flag&x=%FF&hangar_token=t")  # fmt: skip
     asyncio.run(p._authorize(Row(public=True)))
     up = dict(p._upstream_headers())
+    assert b"e2b-traffic-access-token" not in up  # E2B's traffic token is Hangar's too
     assert b"authorization" not in up and up[b"cookie"] == b"app=1"
     assert p._target() == b"/?flag&x=%FF"
     p = make({"Authorization": "Bearer app-own-token"})
