@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import threading
 import time
+from collections.abc import Callable
 from datetime import timedelta
 
 import pytest
@@ -148,31 +149,41 @@ def test_overcommit_ratios_bound_cpu_and_memory_exactly(team, settings):
     assert node_pick(runtime="gvisor", cpu=3.5, memory_mb=1000, image=image) == node
 
 
-def _race(image: Image, team: Team, workers: int, memory_mb: int) -> list[str]:
-    """``workers`` threads, each with its own connection, each placing one sandbox in its own
-    transaction that holds the reservation a while before writing its row."""
+def race(workers: int, place: Callable[[], object]) -> list:
+    """``place()`` in ``workers`` threads released together, each with its own connection (and
+    so its own transactions): what each returned, or the refusal's message."""
     barrier = threading.Barrier(workers)
-    outcomes: list[str] = []
+    outcomes: list = []
 
-    def place() -> None:
+    def one() -> None:
         try:
             barrier.wait()
-            with transaction.atomic():
-                node = node_pick(runtime="gvisor", cpu=1, memory_mb=memory_mb, image=image)
-                time.sleep(0.05)  # the others pick meanwhile
-                _run(team, node, memory_mb=memory_mb)
-            outcomes.append("placed")
+            outcomes.append(place())
         except NoCapacity as exc:
             outcomes.append(exc.message)
         finally:
             connection.close()
 
-    threads = [threading.Thread(target=place) for _ in range(workers)]
+    threads = [threading.Thread(target=one) for _ in range(workers)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
     return outcomes
+
+
+def _race(image: Image, team: Team, workers: int, memory_mb: int) -> list[str]:
+    """``workers`` placements of one sandbox at once, each in its own transaction that holds the
+    reservation a while before writing its row."""
+
+    def place() -> str:
+        with transaction.atomic():
+            node = node_pick(runtime="gvisor", cpu=1, memory_mb=memory_mb, image=image)
+            time.sleep(0.05)  # the others pick meanwhile
+            _run(team, node, memory_mb=memory_mb)
+        return "placed"
+
+    return race(workers, place)
 
 
 def test_two_concurrent_placements_on_the_last_unit_of_room_never_both_succeed(team):

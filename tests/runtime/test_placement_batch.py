@@ -19,7 +19,7 @@ from runtime.services import quotas
 from runtime.services.fleet_view import VIEW
 from runtime.services.placement import node_pick, node_pick_many
 from runtime.services.pools import pool_refill
-from tests.runtime.test_placement import _image, _node, _run
+from tests.runtime.test_placement import _image, _node, _run, race
 
 S = Sandbox.Status
 
@@ -105,31 +105,18 @@ def test_a_node_cordoned_or_filled_after_the_view_was_read_is_decided_under_its_
 
 
 def _race(image, team: Team, workers: int, batch: int, memory_mb: int) -> list[int | str]:
-    """``workers`` threads, each with its own connection, each placing a partial batch in its own
-    transaction that holds its reservations a while before writing the rows."""
-    barrier = threading.Barrier(workers)
-    outcomes: list[int | str] = []
+    """``workers`` partial batches at once, each in its own transaction that holds its
+    reservations a while before writing the rows: how many each placed, or its refusal."""
 
-    def place() -> None:
-        try:
-            barrier.wait()
-            with transaction.atomic():
-                got = node_pick_many(count=batch, partial=True, runtime="gvisor", cpu=1, memory_mb=memory_mb,
-                                     image=image)  # fmt: skip
-                time.sleep(0.05)  # the others plan meanwhile, from the same view
-                _write(team, got, memory_mb)
-            outcomes.append(len(got))
-        except NoCapacity as exc:
-            outcomes.append(exc.message)
-        finally:
-            connection.close()
+    def place() -> int:
+        with transaction.atomic():
+            got = node_pick_many(count=batch, partial=True, runtime="gvisor", cpu=1, memory_mb=memory_mb,
+                                 image=image)  # fmt: skip
+            time.sleep(0.05)  # the others plan meanwhile, from the same view
+            _write(team, got, memory_mb)
+        return len(got)
 
-    threads = [threading.Thread(target=place) for _ in range(workers)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    return outcomes
+    return race(workers, place)
 
 
 @pytest.mark.parametrize("workers,batch", [(2, 4), (8, 3)])
@@ -247,20 +234,7 @@ def test_two_refills_of_one_pool_at_once_never_overfill_it(team, monkeypatch):
     pool = Pool.objects.create(
         team=team, image="busybox", runtime="gvisor", cpu=1, memory_mb=256, disk_mb=0, size=5
     )
-    barrier = threading.Barrier(2)
-
-    def refill() -> None:
-        try:
-            barrier.wait()
-            pool_refill(pool_id=pool.id)
-        finally:
-            connection.close()
-
-    threads = [threading.Thread(target=refill) for _ in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    race(2, lambda: pool_refill(pool_id=pool.id))
     assert Sandbox.objects.filter(pool=pool).count() == 5
 
 

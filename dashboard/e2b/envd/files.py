@@ -96,8 +96,12 @@ async def files(request: HttpRequest) -> HttpResponseBase:
 async def _download(request: HttpRequest) -> HttpResponseBase:
     try:
         caller = await blocking(_call)(request)
-        path = await blocking(lambda: resolve(request.GET.get("path", ""), users.home(caller)))()
-        entry, chunks = await blocking(lambda: io_svc.sandbox_file_read(sandbox=caller.sandbox, path=path))()
+
+        def read() -> tuple[str, Any, Any]:
+            path = resolve(request.GET.get("path", ""), users.home(caller))
+            return (path, *io_svc.sandbox_file_read(sandbox=caller.sandbox, path=path))
+
+        path, entry, chunks = await blocking(read)()
         if entry.type == "dir":
             raise RpcError("invalid_argument", f"{path} is a directory")
         return await download_response(
@@ -175,7 +179,7 @@ def _gunzip(body: bytes, limit: int) -> bytes:
         if len(out) > limit:
             raise TooLarge(f"the file unpacks to more than HANGAR_FILE_MAX_BYTES ({limit} bytes)")
         rest = unpack.unused_data
-        if not rest.strip(b"\0"):  # another member follows, or only padding (gzip's trailing zeros)
+        if not rest.strip(b"\0"):  # the last member (at most padding after it); else the next one
             return bytes(out)
 
 
