@@ -109,6 +109,8 @@ async def ndjson_response(body: AsyncIterator[bytes]) -> StreamingHttpResponse:
             if read is not None and not read.done():
                 read.cancel()
                 await asyncio.wait({read})  # its own cleanup runs before the body's aclose
+            if read is not None and not read.cancelled():
+                read.exception()  # taken (the body may have ended as it was cancelled): not logged as lost
             # The body's own cleanup (a streamed exec is killed when its client leaves) runs now,
             # not whenever the garbage collector finds it.
             with contextlib.suppress(Exception):

@@ -57,9 +57,11 @@ def _json_type(value: Any) -> str:
 
 class StrictIn(ObjectIn):
     """A JSON request body, taken as its schema types it: `true` is not a number and `"1"` is
-    not an integer (pydantic's lax mode would take both)."""
+    not an integer (pydantic's lax mode would take both); a field it does not have is a 422
+    naming it (a misspelt ``timout_s`` would otherwise be dropped without a word, and the
+    default used). The schema says so (``additionalProperties: false``)."""
 
-    model_config = ConfigDict(strict=True)
+    model_config = ConfigDict(strict=True, extra="forbid")
 
 
 def errors(*codes: int) -> dict[int, type[ErrorOut]]:
@@ -142,6 +144,8 @@ def explain(errors: list[dict[str, Any]]) -> str:
                 continue
             path.append(part)
         message = err.get("msg", "invalid")
+        if err.get("type") == "extra_forbidden":
+            message = "not a field of this request (see its schema for the fields there are)"
         line = f"{'.'.join(map(str, path))}: {message}" if path else message
         if not skip and line not in messages:
             messages.append(line)

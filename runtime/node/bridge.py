@@ -121,6 +121,9 @@ class Bridge:
         self.channel = streams.bridge_channel(node_name)
         self.layer = layer
         self.procs: dict[str, LiveProcess] = {}
+        # Processes being started (their sandbox's agent may take a while to answer), with the
+        # messages that came for them meanwhile: handled in order once the start is done.
+        self.starting: dict[str, list[dict[str, Any]]] = {}
         self.loop: asyncio.AbstractEventLoop | None = None
         self._background: set[asyncio.Task[None]] = set()
         self.instance = uuid.uuid4().hex
@@ -193,10 +196,41 @@ class Bridge:
                     lp.process.close()
 
     async def dispatch(self, msg: dict[str, Any]) -> None:
-        kind = msg.get("type")
-        if kind == streams.START:
+        """One message from the layer. A start runs beside the loop (a sandbox slow to answer,
+        one being paused, must not hold up every other stream of the node); what comes for
+        that process meanwhile waits for it."""
+        key = msg.get("key", "")
+        if key in self.starting:
+            self.starting[key].append(msg)
+        elif msg.get("type") == streams.START:
+            self.starting[key] = []
+            self._spawn(self._start_then_the_rest(msg))
+        else:
+            await self._handle(msg)
+
+    async def _start_then_the_rest(self, msg: dict[str, Any]) -> None:
+        key = msg["key"]
+        try:
             await self._start(msg)
-            return
+        except Exception as exc:
+            log.exception("bridge: failed to start %s", key)
+            with contextlib.suppress(Exception):
+                await self.layer.send(msg["reply"], {"type": streams.FAILED, "key": key, "error": "runtime",
+                                                     "message": f"the node could not start it: {exc}"})  # fmt: skip
+        finally:
+            waiting = self.starting.get(key, [])
+            while waiting:  # what comes while these are handled joins the list, in order
+                queued = waiting.pop(0)
+                try:
+                    await (
+                        self._start(queued) if queued.get("type") == streams.START else self._handle(queued)
+                    )
+                except Exception:
+                    log.exception("bridge: failed to handle %s", queued.get("type"))
+            self.starting.pop(key, None)
+
+    async def _handle(self, msg: dict[str, Any]) -> None:
+        kind = msg.get("type")
         lp = self.procs.get(msg.get("key", ""))
         if lp is not None and kind != streams.DETACH:
             lp.active_at = time.monotonic()

@@ -199,8 +199,11 @@ async def _launch(
     except (InvalidValue, Conflict, NodeUnavailable) as exc:
         if follower is not None:
             await follower.close()
-        row.status, row.error, row.finished_at = Exec.Status.FAILED, exc.message, timezone.now()
-        await _db(row.save)(update_fields=["status", "error", "finished_at"])
+        if isinstance(exc, NodeUnavailable):  # the node's failure: the row says what happened
+            row.status, row.error, row.finished_at = Exec.Status.FAILED, exc.message, timezone.now()
+            await _db(row.save)(update_fields=["status", "error", "finished_at"])
+        else:  # refused (no such cwd, the sandbox paused meanwhile): nothing ran, nothing is left
+            await _db(Exec.objects.filter(id=row.id).delete)()
         raise
     except BaseException:
         if follower is not None:
@@ -277,8 +280,11 @@ async def _open_terminal(
     try:
         row.pid, _, _ = await sandbox_access(sandbox).start_process(streams.terminal_key(row.id), fields)
     except (InvalidValue, Conflict, NodeUnavailable) as exc:
-        row.status, row.error, row.ended_at = Terminal.Status.FAILED, exc.message, timezone.now()
-        await _db(row.save)(update_fields=["status", "error", "ended_at"])
+        if isinstance(exc, NodeUnavailable):
+            row.status, row.error, row.ended_at = Terminal.Status.FAILED, exc.message, timezone.now()
+            await _db(row.save)(update_fields=["status", "error", "ended_at"])
+        else:  # refused, as a command's start is: no row is left of it
+            await _db(Terminal.objects.filter(id=row.id).delete)()
         raise
     await _db(Terminal.objects.filter(id=row.id).update)(pid=row.pid)
     return row
@@ -561,7 +567,7 @@ class ProcessFollow:
         try:
             if not self.attached:
                 await self._attach(self.offset, self.live)
-            quiet_since = time.monotonic()
+            quiet_since, heard = time.monotonic(), False
             bridge = _BridgeWatch(self.handle.node_name)
             while not follower.done:
                 try:
@@ -572,6 +578,14 @@ class ProcessFollow:
                         follower.done = True
                         yield ("exit", {"exit_code": None, "signal": 0, "timed_out": False, "error": gone})
                         break
+                    if follower.syncing and not heard and await _db(_ended_info)(self.handle) is not None:
+                        # No word from the bridge at all, and the row says the process ended:
+                        # what the row kept is the answer (a follower of an ended process does
+                        # not wait on a bridge that is busy, or gone with its node).
+                        async for stored in _stored_output(self.handle, follower.want):
+                            yield stored
+                        follower.done = True
+                        return
                     if time.monotonic() - quiet_since < FOLLOW_IDLE_S:
                         continue
                     quiet_since = time.monotonic()
@@ -585,7 +599,7 @@ class ProcessFollow:
                         retried = True
                         await self._attach(follower.want)
                     continue
-                quiet_since = time.monotonic()
+                quiet_since, heard = time.monotonic(), True
                 if msg.get("type") == streams.SYNCED and msg.get("bridge"):
                     bridge.instance = msg["bridge"]  # the one holding the process: its restart ends it
                 for event in follower.feed(msg):

@@ -126,9 +126,8 @@ def _exec(sandbox: Sandbox, row: Exec, req: ExecRequest, argv: list[str], keep_o
     try:
         result = sandbox_access(sandbox).exec(req)
     except FileOpError as exc:
-        # The agent could not start the command (no such binary, missing cwd): a client error.
-        row.error, row.finished_at = str(exc), timezone.now()
-        row.save()
+        # The agent could not start the command (no such binary, missing cwd): a client error,
+        # refused whole (its row is never written: nothing ran).
         raise InvalidValue(f"could not run {argv[0]!r}: {exc.message} ({exc.errno_name})") from exc
     except LauncherError as exc:
         row.error, row.finished_at = str(exc), timezone.now()

@@ -16,6 +16,26 @@ import pytest
 
 RESULTS: list[dict[str, Any]] = []
 
+# Each suite's time budget in seconds (its tests' setup, call and teardown, as pytest times
+# them), about twice what it takes on the 2-core development machine: a suite past it fails the
+# session, naming it, so that none grows unnoticed into the CI's time (docs/reliability.md).
+BUDGET_S = {
+    "test_escape": 600,
+    "test_authorization": 240,
+    "test_bad_input": 900,  # schemathesis alone runs its --max-time 400
+    "test_load": 300,
+    "test_faults": 400,
+    "test_neighbours": 300,
+    "test_fleet": 400,
+}
+SPENT_S: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report) -> None:
+    if report.nodeid.startswith("tests/reliability/"):
+        suite = report.nodeid.split("/")[2].split(".py")[0]
+        SPENT_S[suite] = SPENT_S.get(suite, 0.0) + report.duration
+
 
 def report_dir() -> Path:
     return Path(os.environ.get("HANGAR_RELIABILITY_DIR", "/tmp/hangar-reliability"))
@@ -56,6 +76,17 @@ def pytest_runtest_makereport(item, call):
 
 
 def pytest_sessionfinish(session, exitstatus) -> None:
+    over = [f"{suite}: {spent:.0f} s, over its budget of {BUDGET_S[suite]} s"
+            for suite, spent in sorted(SPENT_S.items()) if spent > BUDGET_S.get(suite, float("inf"))]  # fmt: skip
+    if over:
+        reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+        if reporter is not None:
+            reporter.write_line(
+                "reliability suites over their time budget (tests/reliability/conftest.py):", red=True
+            )
+            for line in over:
+                reporter.write_line(f"  {line}", red=True)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
     if not RESULTS:
         return
     out = report_dir()

@@ -33,6 +33,7 @@ class Probe:
     path: str
     params: dict[str, Any] = field(default_factory=dict)
     body: Any = None
+    refused: str = ""  # a word the answer must be a 4xx naming (a field that is not there)
 
 
 def resolve(spec: dict[str, Any], schema: dict[str, Any]) -> dict[str, Any]:
@@ -152,5 +153,5 @@ def probes(spec: dict[str, Any], fill: dict[str, str], prefix: str = "/api/v1") 
                                 {**(body or {}), key: value})  # fmt: skip
             if isinstance(body, dict):
                 yield Probe(f"{name} unknown field", method.upper(), real, dict(query),
-                            {**body, "zz_unknown": 1})  # fmt: skip
+                            {**body, "zz_unknown": 1}, refused="zz_unknown")  # fmt: skip
                 yield Probe(f"{name} a list for the body", method.upper(), real, dict(query), [body])

@@ -4,12 +4,15 @@ sandboxes), as a non-staff owner of a team of their own:
 - schemathesis, run exactly as docs/api.md gives it, finds nothing;
 - a sweep generated from the OpenAPI schema sends every operation, for each of its parameters
   and body fields in turn, the values that break servers (path traversal, NUL and control
-  characters, a megabyte string, numbers past every bound, the wrong type, an unknown field):
-  each answer is a 4xx with a message or a success, never a 5xx, never slower than 30 s;
+  characters, a megabyte string, numbers past every bound, the wrong type, an unknown field (a
+  422 naming it)):
+  each answer is a 4xx with a message or a success, never a 5xx, never slower than 30 s, and a
+  refused change leaves no row behind (nothing half-done);
 - slow and oversized requests: a request trickled a byte at a time, huge headers."""
 
 from __future__ import annotations
 
+import json
 import re
 import socket
 import subprocess
@@ -57,7 +60,22 @@ def fuzz_owner() -> str:
 
 
 @pytest.mark.timeout(900)
-def test_schemathesis_finds_nothing(server, celery_worker, bridge, local_node, tmp_path, report):
+def test_schemathesis_finds_nothing(service_env, celery_worker, bridge, local_node, tmp_path, report):
+    from tests.conftest import _stop, start_server
+
+    # A server of its own whose quiet streams send their keep-alive line every 45 s, not 15: a
+    # request that lasts past 30 s is then the read timeout schemathesis reports by name, where
+    # lines every 15 s would keep it waiting (past --max-time) for as long as the stream lasts.
+    server_process = start_server({**service_env, "HANGAR_STREAM_KEEPALIVE_S": "45"})
+    try:
+        _schemathesis(server_process, local_node, tmp_path, report)
+    finally:
+        _stop(server_process)
+        server_process.log.close()
+
+
+def _schemathesis(server_process, local_node, tmp_path, report) -> None:
+    server = server_process.url
     token = fuzz_owner()
 
     argv = [
@@ -74,18 +92,35 @@ def test_schemathesis_finds_nothing(server, celery_worker, bridge, local_node, t
     done = threading.Event()
     beat = threading.Thread(target=_heartbeat, args=(local_node.name, done), daemon=True)
     beat.start()
+    # Its output goes to a file as it runs: a run that overstays shows where it stood.
+    out_path = tmp_path / "st.out"
     try:
-        proc = subprocess.run(argv, cwd=tmp_path, capture_output=True, text=True, timeout=800)
+        with out_path.open("w") as out:
+            proc = subprocess.Popen(argv, cwd=tmp_path, stdout=out, stderr=subprocess.STDOUT, text=True)
+            try:
+                returncode = proc.wait(timeout=800)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+                returncode = None
     finally:
         done.set()
         beat.join()
-    print(proc.stdout[-60000:], proc.stderr[-5000:])
-    assert proc.returncode == 0, "schemathesis found something: its report is above"
-    summary = re.findall(r"(\d+) generated", proc.stdout)
+    stdout = out_path.read_text(errors="replace")
+    print(stdout[-60000:])
+    if returncode is None:
+        # The server's last answers: the request that held the run is the one after them.
+        lines = Path(server_process.log_path).read_text(errors="replace").splitlines()
+        print("\n".join(line[:300] for line in lines[-40:]))
+    assert returncode is not None, (
+        "schemathesis ran past 800 s: where it stood, and the server's log, are above"
+    )
+    assert returncode == 0, "schemathesis found something: its report is above"
+    summary = re.findall(r"(\d+) generated", stdout)
     report.held(
         "schemathesis",
         "st run --checks all (less use_after_free, positive_data_acceptance) found nothing",
-        operations=_st_count(proc.stdout, "operations"),
+        operations=_st_count(stdout, "operations"),
         generated=summary[-1] if summary else "?",
     )
 
@@ -151,6 +186,7 @@ def test_every_input_of_every_operation_gets_a_4xx_or_a_success_never_a_5xx(
             for probe in all_probes:
                 if re.search(r"tokens/\{|members/\{", probe.label):
                     continue
+                before = _footprint(team_id, probe.path) if probe.method != "GET" else None
                 started = time.monotonic()
                 try:
                     r = http.request(probe.method, probe.path, params=probe.params or None,
@@ -167,8 +203,26 @@ def test_every_input_of_every_operation_gets_a_4xx_or_a_success_never_a_5xx(
                     failures.append(f"{probe.label}: {r.status_code} {r.text[:200]}")
                 elif r.status_code >= 400 and not _has_message(r):
                     failures.append(f"{probe.label}: {r.status_code} without a message: {r.text[:200]}")
+                elif (
+                    probe.refused
+                    and r.status_code not in (401, 403)
+                    and (  # (refused before the body is read)
+                        r.status_code != 422 or probe.refused not in r.json()["detail"]
+                    )
+                ):
+                    failures.append(
+                        f"{probe.label}: {r.status_code}, not a 422 naming {probe.refused}: {r.text[:200]}"
+                    )
                 elif took > 30:
                     failures.append(f"{probe.label}: {took:.1f} s")
+                if (
+                    before is not None
+                    and r.status_code >= 400
+                    and (after := _footprint(team_id, probe.path)) != before
+                ):
+                    failures.append(
+                        f"{probe.label}: refused ({r.status_code}) but left rows behind: {before} -> {after}"
+                    )
     finally:
         done.set()
         beat.join()
@@ -176,6 +230,29 @@ def test_every_input_of_every_operation_gets_a_4xx_or_a_success_never_a_5xx(
     report.held("bad input", "every operation × input × breaking value: a 4xx with a message or a success",
                 requests=sum(statuses.values()), statuses=dict(sorted(statuses.items())),
                 slowest_s=round(slowest[0], 2), slowest=slowest[1])  # fmt: skip
+
+
+def _footprint(team_id: int, path: str) -> dict[str, int]:
+    """How many of the things ``path`` makes the team has (deleted ones too): a refused request
+    adds none. Sandboxes that pools and harnesses start on their own (later, on the worker) are
+    not counted, nor their commands."""
+    from runtime.models import ApiToken, Exec, Harness, Pool, Run, Sandbox, Secret, Terminal, Volume
+
+    mine = Sandbox.objects.filter(team_id=team_id, pool__isnull=True).exclude(
+        id__in=Harness.objects.exclude(sandbox=None).values("sandbox_id")
+    )
+    counts = {
+        "/exec": lambda: Exec.objects.filter(sandbox__in=mine).count(),
+        "/terminals": lambda: Terminal.objects.filter(sandbox__in=mine).count(),
+        "/sandboxes": lambda: mine.count(),
+        "/volumes": lambda: Volume.objects.filter(team_id=team_id).count(),
+        "/secrets": lambda: Secret.objects.filter(team_id=team_id).count(),
+        "/pools": lambda: Pool.objects.filter(team_id=team_id).count(),
+        "/harnesses": lambda: Harness.objects.filter(team_id=team_id).count(),
+        "/runs": lambda: Run.objects.filter(harness__team_id=team_id).count(),
+        "/tokens": lambda: ApiToken.objects.filter(team_id=team_id).count(),
+    }
+    return {what: count() for what, count in counts.items() if what in path}
 
 
 def _has_message(r: Any) -> bool:
@@ -247,3 +324,117 @@ def test_huge_headers_and_request_lines_are_refused_cleanly(server, local_node, 
         f"{server}/api/v1/sandboxes", headers={"Authorization": f"Bearer {team_token}"}, timeout=10
     )
     assert ok.status_code == 200
+
+
+# -- malformed websocket frames -------------------------------------------------------------------
+
+
+def _frame(first: int, payload: bytes, *, masked: bool = True, length: int | None = None) -> bytes:
+    """A websocket frame as a client writes it, or as it must not: ``first`` is the FIN, RSV
+    and opcode byte; ``length`` announces a length other than the payload's."""
+    import os
+    import struct
+
+    n = len(payload) if length is None else length
+    mask_bit = 0x80 if masked else 0
+    if n < 126:
+        head = bytes([first, mask_bit | n])
+    elif n < 2**16:
+        head = bytes([first, mask_bit | 126]) + struct.pack("!H", n)
+    else:
+        head = bytes([first, mask_bit | 127]) + struct.pack("!Q", n)
+    if not masked:
+        return head + payload
+    key = os.urandom(4)
+    return head + key + bytes(b ^ key[i % 4] for i, b in enumerate(payload))
+
+
+# Each sent alone, first on a connection the server accepted: (what, the frames, the close codes
+# that are a right answer). 1002: protocol error; 1007: invalid data; 1009: too big.
+BAD_FRAMES = [
+    ("an unmasked frame from a client", _frame(0x81, b"hello", masked=False), {1002}),
+    ("a reserved opcode (0x3)", _frame(0x83, b"x"), {1002}),
+    ("a reserved control opcode (0xB)", _frame(0x8B, b""), {1002}),
+    ("RSV1 set with no extension agreed", _frame(0xC1, b"hi"), {1002}),
+    ("a continuation with no message begun", _frame(0x80, b"x"), {1002}),
+    ("a text frame that is not UTF-8", _frame(0x81, b"\xff\xfe\xfd"), {1007}),
+    ("a ping of 200 bytes (control frames hold at most 125)", _frame(0x89, b"p" * 200), {1002}),
+    ("a fragmented ping", _frame(0x09, b"p"), {1002}),
+    ("a frame announcing 2**62 bytes", _frame(0x82, b"", length=2**62), {1009}),
+    ("a message of 1.5 MiB in fragments", _frame(0x02, b"a" * 2**20) + _frame(0x80, b"a" * 2**19), {1009}),
+    ("a close frame with one byte of code", _frame(0x88, b"\x03"), {1002}),
+    ("a close frame with code 999", _frame(0x88, b"\x03\xe7"), {1002}),
+]
+
+
+def _close_code(sock: socket.socket, timeout: float) -> int | str | None:
+    """The code of the close frame the server answers with (None: it only hung up; "nothing":
+    neither, within ``timeout``)."""
+    sock.settimeout(timeout)
+    data = b""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            chunk = sock.recv(65536)
+        except (TimeoutError, ConnectionResetError):
+            break
+        if not chunk:
+            break
+        data += chunk
+        while len(data) >= 2:  # the server's frames: unmasked, short ones here
+            opcode, n = data[0] & 0x0F, data[1] & 0x7F
+            if n >= 126 or len(data) < 2 + n:
+                break
+            if opcode == 0x8:
+                return int.from_bytes(data[2:4], "big") if n >= 2 else None
+            data = data[2 + n :]
+    return "nothing" if time.monotonic() >= deadline else None
+
+
+@pytest.mark.timeout(240)
+def test_malformed_websocket_frames_are_closed_with_the_right_code_and_hurt_nobody(
+    api, server, team_token, report
+):
+    import base64
+    import os
+
+    from tests.api.test_sandboxes_api import create
+
+    sandbox = create(api)["id"]
+    host, port = server.removeprefix("http://").split(":")
+    handshake = (
+        f"GET /ws/v1/sandboxes/{sandbox}/exec HTTP/1.1\r\nHost: {host}:{port}\r\nUpgrade: websocket\r\n"
+        f"Connection: Upgrade\r\nSec-WebSocket-Version: 13\r\n"
+        f"Sec-WebSocket-Key: {base64.b64encode(os.urandom(16)).decode()}\r\n"
+        f"Authorization: Bearer {team_token}\r\n\r\n"
+    ).encode()
+    wrong: list[str] = []
+    for what, frames, right in BAD_FRAMES:
+        with socket.create_connection((host, int(port)), timeout=20) as sock:
+            sock.sendall(handshake)
+            head = b""
+            while b"\r\n\r\n" not in head:
+                head += sock.recv(4096)
+            assert head.startswith(b"HTTP/1.1 101"), (what, head[:200])
+            try:
+                sock.sendall(frames)
+            except (BrokenPipeError, ConnectionResetError):
+                pass  # closed before it read the rest: answered already
+            code = _close_code(sock, 15)
+        # A close frame with the code, or the connection dropped at once: autobahn, under daphne,
+        # fails a connection that breaks the protocol by dropping it, which RFC 6455 allows.
+        if code not in right and code is not None:
+            wrong.append(f"{what}: closed with {code}, not {sorted(right)}")
+            continue
+        report.held("malformed websocket frame", what, answer=f"close {code}" if code else "dropped")
+    assert not wrong, "\n".join(wrong)
+    # The server, and this sandbox's sockets, serve a well-behaved client as before.
+    from websockets.sync.client import connect
+
+    with connect(f"ws://{host}:{port}/ws/v1/sandboxes/{sandbox}/exec",
+                 additional_headers={"Authorization": f"Bearer {team_token}"}, open_timeout=20) as ws:  # fmt: skip
+        ws.send(json.dumps({"cmd": ["echo", "still-here"]}))
+        seen = ""
+        while "still-here" not in seen:
+            seen += str(ws.recv(timeout=20))
+    assert api.get("/health").status_code == 200

@@ -9,6 +9,8 @@ tests/launchers/gvisor/test_network.py; this suite adds what it does not try."""
 
 from __future__ import annotations
 
+import re
+import socket
 import statistics
 import subprocess
 import threading
@@ -20,9 +22,17 @@ from pathlib import Path
 import pytest
 
 from runtime.host.images.store import ImageStore
-from runtime.launchers.base import ExecRequest, Launcher, LauncherError, SandboxNotRunning, SandboxSpec
+from runtime.launchers.base import (
+    ExecRequest,
+    Launcher,
+    LauncherError,
+    Mount,
+    ProcessRequest,
+    SandboxNotRunning,
+    SandboxSpec,
+)  # fmt: skip
 from tests.launchers.helpers import make_launcher, remove_all, usable_launchers
-from tests.support import requires_runsc
+from tests.support import requires_runsc, wait_until
 
 pytestmark = [requires_runsc, pytest.mark.timeout(300)]
 
@@ -53,8 +63,9 @@ def make(launcher: Launcher, busybox, report) -> Iterator[Callable[..., dict]]:
     report.runtime = launcher.name
 
     def start(**kw) -> dict:
-        spec = SandboxSpec(id="e" + uuid.uuid4().hex[:12], rootfs=busybox.rootfs, cpu=kw.pop("cpu", 1.0),
-                           memory_mb=kw.pop("memory_mb", 256), disk_mb=kw.pop("disk_mb", None))  # fmt: skip
+        spec = SandboxSpec(id=kw.pop("id", None) or "e" + uuid.uuid4().hex[:12], rootfs=busybox.rootfs,
+                           cpu=kw.pop("cpu", 1.0), memory_mb=kw.pop("memory_mb", 256),
+                           disk_mb=kw.pop("disk_mb", None), mounts=kw.pop("mounts", ()))  # fmt: skip
         handle = launcher.create(spec)
         made.append(handle)
         return handle
@@ -172,6 +183,156 @@ def test_the_nodes_sockets_are_not_in_the_sandbox(launcher, make, report):
     for host_socket in ("redis", "bridge", "tunnel", "postgres", ".s.PGSQL"):
         assert host_socket not in out, out
     report.held("sockets", "no socket of the node (bridge, tunnels, Redis, Postgres) inside")
+
+
+# -- raw sockets and ptrace ------------------------------------------------------------------------
+
+PROBE_SOURCE = Path(__file__).with_name("escape_probe.c")
+
+
+@pytest.fixture(scope="module")
+def probe(tmp_path_factory) -> bytes:
+    """tests/reliability/escape_probe.c, built static here (busybox has no sniffer, no debugger)."""
+    out = tmp_path_factory.mktemp("probe") / "escape_probe"
+    built = subprocess.run(
+        ["gcc", "-static", "-O2", "-o", str(out), str(PROBE_SOURCE)], capture_output=True, text=True
+    )
+    assert built.returncode == 0, built.stderr
+    return out.read_bytes()
+
+
+def _host_addresses() -> list[str]:
+    """This machine's own IPv4 addresses (loopback first): packets to them never leave it."""
+    out = subprocess.run(["ip", "-4", "-o", "addr", "show"], capture_output=True, text=True).stdout
+    found = re.findall(r"inet (\d+\.\d+\.\d+\.\d+)/", out)
+    return ["127.0.0.1", *[a for a in found if a != "127.0.0.1"]]
+
+
+def test_raw_sockets_inside_see_none_of_the_hosts_packets(launcher, make, probe, report):
+    sb = make()
+    launcher.write_file(sb, "/tmp/probe", probe, mode=0o755)
+    marker = f"hangar-raw-{uuid.uuid4().hex}"
+    stop = threading.Event()
+
+    def send() -> None:  # the host's own traffic, on every address it has, while the sandbox listens
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            while not stop.is_set():
+                for address in _host_addresses():
+                    s.sendto(marker.encode(), (address, 9))
+                time.sleep(0.05)
+
+    sender = threading.Thread(target=send, daemon=True)
+    sender.start()
+    try:
+        code, out = sh(launcher, sb, f"/tmp/probe sniff 3 {marker}")
+    finally:
+        stop.set()
+        sender.join()
+    seen = re.search(r"^seen (\d+) packets (\d+)$", out, re.M)
+    assert code == 0 and seen, out
+    assert seen.group(1) == "0", f"a raw socket inside read the host's packets: {out}"
+    opened = [
+        line.split()[1] for line in out.splitlines() if line.startswith("open ") and line.endswith(" ok")
+    ]
+    report.held("raw sockets", "raw and packet sockets inside read none of the host's packets",
+                opened=",".join(opened) or "none", packets_read=int(seen.group(2)))  # fmt: skip
+
+
+def _runtime_processes(sandbox_id: str) -> dict[int, tuple[str, str]]:
+    """The host's processes that run this sandbox (runsc's, QEMU and its mux): pid → (command
+    line, TracerPid)."""
+    found = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cmd = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            tracer = re.search(r"^TracerPid:\s*(\d+)", (entry / "status").read_text(), re.M)
+        except OSError:
+            continue
+        if sandbox_id in cmd and tracer:
+            found[int(entry.name)] = (cmd.strip(), tracer.group(1))
+    return found
+
+
+def test_ptrace_from_inside_reaches_no_process_of_the_runtime(launcher, make, probe, report):
+    sb = make()
+    launcher.write_file(sb, "/tmp/probe", probe, mode=0o755)
+    before = _runtime_processes(sb["id"])
+    assert before, "no process on the host names the sandbox: nothing to aim at"
+    # Each of the runtime's host pids, tried from inside (another pid namespace: the same
+    # number, if it exists there, is one of the sandbox's own processes).
+    code, out = sh(launcher, sb, "/tmp/probe ptrace " + " ".join(map(str, sorted(before))))
+    assert code == 0, out
+    after = _runtime_processes(sb["id"])
+    for pid, (cmd, tracer) in before.items():
+        line = re.search(rf"^pid {pid} (.*)$", out, re.M)
+        assert line, out
+        if line.group(1).startswith("attached"):
+            assert cmd not in line.group(1), f"ptrace inside attached to the runtime's {pid}: {cmd[:120]}"
+        # Whatever traced it before (gVisor's ptrace platform traces its own stubs) still does,
+        # and nothing else: the runtime was never the sandbox's tracee.
+        assert after.get(pid, (cmd, tracer))[1] == tracer, f"{pid} ({cmd[:80]}) got a tracer"
+    report.held("ptrace", "PTRACE_ATTACH and PTRACE_SEIZE of the runtime's host pids reach none of them",
+                runtime_processes=len(before))  # fmt: skip
+
+
+# -- other sandboxes -------------------------------------------------------------------------------
+
+
+def test_another_sandboxs_files_processes_and_volume_are_out_of_reach(launcher, make, tmp_path, report):
+    from tests.support import volume_store
+
+    half = uuid.uuid4().hex[:12]
+    marker = f"hangar-other-{half}"
+    # The attacker's commands hold the marker only in two halves (their own command lines are
+    # in /proc too): `m` is the whole of it in the shell, never in an argv that is searched.
+    find = f'm=hangar-other-; m="$m{half}"; '
+    with volume_store(tmp_path / "volumes", volescape01=32) as store:
+        if launcher.capabilities().vm:
+            sid = "e" + uuid.uuid4().hex[:12]
+            mount = Mount("", "/data", disk=str(store.attach_as_disk("volescape01", sid)))
+        else:
+            sid, mount = None, Mount(str(store.mount("volescape01")), "/data")
+        victim = make(id=sid, mounts=(mount,))
+        try:
+            code, out = sh(
+                launcher, victim, f"echo {marker} > /data/{marker} && echo {marker} > /root/{marker}"
+            )
+            assert code == 0, out
+            # A process whose command line holds the marker ($0 of a shell that stays).
+            held = launcher.open_process(victim, ProcessRequest(argv=["sh", "-c", "echo $$ > /tmp/pid; sleep 600; :", marker],
+                                                                stdin=False))  # fmt: skip
+            wait_until(lambda: sh(launcher, victim, "cat /tmp/pid")[0] == 0, 20, what="the victim's process")
+            attacker = make()
+            attempts = {
+                "its files and volume, by a search of the whole filesystem":
+                    find + 'grep -rsl "$m" / --exclude-dir=proc --exclude-dir=sys; find / -name "*$m*" 2>/dev/null',
+                "its processes, by /proc":
+                    find + 'for p in /proc/[0-9]*; do tr "\\0" " " < $p/cmdline; echo; done 2>/dev/null',
+                "its volume, by mounting every disk there is":
+                    "mkdir -p /mnt/v; for d in /dev/vd? /dev/sd? /dev/loop?; do mount $d /mnt/v 2>/dev/null && ls -R /mnt/v && umount /mnt/v; done",
+            }  # fmt: skip
+            for name, script in attempts.items():
+                _, out = sh(launcher, attacker, script)
+                assert marker not in out, f"{name}: {out[:300]}"
+                if "mounting" not in name:  # the same search, in the victim, finds what it hides
+                    assert marker in sh(launcher, victim, script)[1], (
+                        f"{name}: the search finds nothing anywhere"
+                    )
+                report.held("other sandboxes", name)
+            try:
+                sh(launcher, attacker, "kill -9 -1", timeout=10)
+            except (LauncherError, SandboxNotRunning):
+                pass
+            code, out = sh(
+                launcher, victim, f"cat /data/{marker} /root/{marker}; kill -0 $(cat /tmp/pid) && echo alive"
+            )
+            assert out.split() == [marker, marker, "alive"], out
+            report.held("other sandboxes", "kill -9 -1 in one leaves another's processes running")
+            held.close()
+        finally:
+            launcher.destroy(victim)  # before its volume goes
 
 
 # -- bombs ---------------------------------------------------------------------------------------

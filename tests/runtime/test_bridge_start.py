@@ -107,3 +107,37 @@ def test_a_start_without_an_attach_says_so():
         task.cancel()
 
     asyncio.run(main())
+
+
+def test_a_slow_start_holds_up_no_other_stream_and_what_comes_for_it_waits_for_it(monkeypatch):
+    """A sandbox slow to start a command (its agent busy, the sandbox being paused) must not
+    stop the node's bridge answering everyone else; an attach sent for the command while it
+    starts is answered once it has (not "unknown")."""
+    import threading
+
+    go = threading.Event()
+
+    class Slow(Launcher):
+        def open_process(self, handle: dict, req: object) -> Quick:
+            go.wait(10)
+            return Quick()
+
+    monkeypatch.setattr(bridge_mod, "launcher_for", lambda runtime: Slow())
+
+    async def main() -> None:
+        _, task, layer = await _bridge()
+        reply, early, other = await layer.new_channel(), await layer.new_channel(), await layer.new_channel()
+        await layer.send(BRIDGE, _start_message(reply))
+        await layer.send(BRIDGE, {"type": streams.ATTACH, "key": "x9", "reply": early, "offset": 0, "live": False,
+                                  "flow": False})  # fmt: skip
+        await layer.send(BRIDGE, {"type": streams.ATTACH, "key": "x8", "reply": other, "offset": 0, "live": False,
+                                  "flow": False})  # fmt: skip
+        # Another process's follower is answered while the start still waits on its sandbox.
+        assert (await asyncio.wait_for(layer.receive(other), 2))["type"] == streams.UNKNOWN
+        assert not go.is_set()
+        go.set()
+        assert (await asyncio.wait_for(layer.receive(reply), 5))["type"] == streams.STARTED
+        assert (await asyncio.wait_for(layer.receive(early), 5))["type"] == streams.SYNCED
+        task.cancel()
+
+    asyncio.run(main())

@@ -72,3 +72,40 @@ def test_recording_the_end_announces_nothing_and_the_announcement_names_the_exec
     process_end_announce(key=streams.exec_key(row.id))
     process_end_announce(key=streams.terminal_key("tm1"))
     assert heard == [row.id]
+
+
+def test_a_follower_of_an_ended_process_the_bridge_says_nothing_about_gets_the_rows_output(
+    transactional_db, monkeypatch
+):
+    """The node's bridge busy (or gone with its node) and the row ended: the follower answers
+    with what the row kept as soon as its first check finds no word, not after a minute."""
+    import asyncio
+    import time
+
+    from channels.layers import InMemoryChannelLayer
+
+    from runtime.services import processes as proc_svc
+    from runtime.services.channel_layer import LAYER
+
+    team = Team.objects.create(name="t")
+    sb = Sandbox.objects.create(team=team, image="x", image_digest="sha256:x", status="running")
+    row = Exec.objects.create(sandbox=sb, kind=Exec.Kind.BACKGROUND, status=Exec.Status.EXITED, argv=["true"],
+                              stdout="kept\n", exit_code=4, started_at=timezone.now(), finished_at=timezone.now())  # fmt: skip
+    monkeypatch.setattr(proc_svc, "BRIDGE_CHECK_S", 0.2)
+
+    async def alive(self) -> None:  # the bridge is there: it just does not answer
+        return None
+
+    monkeypatch.setattr(proc_svc._BridgeWatch, "gone", alive)
+
+    async def main() -> tuple[list, float]:
+        LAYER.set(InMemoryChannelLayer())
+        handle = proc_svc.ProcessHandle(node_name="busy-node", key=streams.exec_key(row.id), row_id=row.id)
+        started = time.monotonic()
+        seen = [event async for event in handle.follow()]
+        return seen, time.monotonic() - started
+
+    seen, took = asyncio.run(main())
+    assert seen[0] == ("output", "stdout", b"kept\n", 5)
+    assert seen[-1][0] == "exit" and seen[-1][1]["exit_code"] == 4
+    assert took < 5, f"{took:.1f} s"
