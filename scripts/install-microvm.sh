@@ -3,7 +3,8 @@
 # a guest kernel: Debian's cloud kernel package (linux-image-cloud-amd64), fetched with
 # `apt-get download` and unpacked with `dpkg-deb -x`, never installed as the host's kernel. The
 # kernel and the few modules the guest needs (virtio_mmio, virtio_blk, virtio_console,
-# virtio_net, ext4, overlay and what they depend on) go to /usr/local/lib/hangar/microvm, outside
+# virtio_net, ext4, overlay, vsock's virtio transport (loaded only where the node uses vsock)
+# and what they depend on) go to /usr/local/lib/hangar/microvm, outside
 # git and any data directory, like runsc. The initramfs is built by the launcher from source in
 # the repo (runtime/launchers/microvm/guest/), so it is not made here.
 # Idempotent: does nothing when the kernel is there. HANGAR_SKIP_MICROVM=1 skips it.
@@ -15,7 +16,9 @@ need=()
 command -v qemu-system-x86_64 >/dev/null 2>&1 || need+=(qemu-system-x86)
 command -v qemu-img >/dev/null 2>&1 || need+=(qemu-utils)
 command -v depmod >/dev/null 2>&1 || need+=(kmod)  # depmod: what each guest module needs
-if [ -s "$dest/vmlinuz" ] && [ -s "$dest/modules.list" ] && command -v qemu-system-x86_64 >/dev/null && command -v qemu-img >/dev/null; then exit 0; fi
+# A kernel unpacked before vsock's modules were in the list is unpacked again (from the cached .deb).
+installed() { [ -s "$dest/vmlinuz" ] && [ -s "$dest/modules.list" ] && grep -q vsock "$dest/modules.list"; }
+if installed && command -v qemu-system-x86_64 >/dev/null && command -v qemu-img >/dev/null; then exit 0; fi
 if [ "$(id -u)" != 0 ]; then echo "installing QEMU and the microVM kernel into $dest needs root" >&2; exit 1; fi
 export DEBIAN_FRONTEND=noninteractive
 # Not fatal: without QEMU or the kernel the node leaves the microvm runtime out (and says why).
@@ -26,7 +29,7 @@ if [ ${#need[@]} -gt 0 ]; then
     apt-get update -qq && apt-get install -y -qq --no-install-recommends "${need[@]}" >/dev/null; } ||
     give_up "could not install ${need[*]}"
 fi
-[ -s "$dest/vmlinuz" ] && [ -s "$dest/modules.list" ] && exit 0
+installed && exit 0
 work=/var/cache/hangar/microvm  # the .deb stays here: a rerun unpacks it again without fetching
 mkdir -p "$work"
 rm -rf "$work/x"
@@ -66,7 +69,7 @@ add() {
   esac
   echo "$base.ko" >> "$dest.new/modules.list"
 }
-for m in virtio_mmio virtio_blk virtio_console virtio_net ext4 overlay; do add "$m"; done
+for m in virtio_mmio virtio_blk virtio_console virtio_net ext4 overlay vmw_vsock_virtio_transport; do add "$m"; done
 echo "$kver" > "$dest.new/version"
 rm -rf "$dest.old"; [ -e "$dest" ] && mv "$dest" "$dest.old"
 mv "$dest.new" "$dest" && rm -rf "$dest.old"

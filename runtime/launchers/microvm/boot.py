@@ -84,6 +84,23 @@ def kernel(kernel_dir: str | os.PathLike[str] = "") -> Kernel:
     return Kernel(d, vmlinuz, version, tuple(d / "modules" / n for n in names))
 
 
+# The agent's link over vsock (a node with /dev/vhost-vsock): the guest's /init listens on this
+# port (kernel argument hangar.link=vsock:PORT) and the node's mux connects to the VM's CID there.
+VSOCK_PORT = 1024
+VHOST_VSOCK = "/dev/vhost-vsock"
+
+
+def vsock_missing(kern: Kernel) -> str | None:
+    """Why this node's VMs cannot reach their agent over vsock (None: they can)."""
+    try:
+        os.close(os.open(VHOST_VSOCK, os.O_RDWR | os.O_CLOEXEC))
+    except OSError as exc:
+        return f"the node has no usable {VHOST_VSOCK} ({exc.strerror}; modprobe vhost_vsock)"
+    if kern.dir == DEFAULT_KERNEL_DIR and not any("vsock" in m.name for m in kern.modules):
+        return f"the guest kernel in {kern.dir} was unpacked without vsock's modules: {INSTALL_HINT}"
+    return None
+
+
 def missing(kernel_dir: str = "", qemu: str = "") -> str | None:
     """What this node lacks to run microVMs (None: nothing)."""
     for tool in (qemu or QEMU, "mkfs.ext4"):

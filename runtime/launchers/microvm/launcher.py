@@ -9,6 +9,8 @@ import json
 import logging
 import math
 import os
+import re
+import secrets
 import shutil
 import signal
 import subprocess
@@ -92,6 +94,13 @@ def _reap(pid: int, timeout: float = 0.0) -> None:
         time.sleep(0.01)
 
 
+def _guest_cid() -> int:
+    """A VM's vsock address, unique on the host while it runs: drawn at random from 2**31 (CIDs
+    0-2 are reserved), so two VMs of this or another Hangar on the host meet with odds of about
+    one in a billion per pair; QEMU refuses a CID in use, and the start fails saying so."""
+    return secrets.randbelow(2**31 - 3) + 3
+
+
 def _mac(sandbox_id: str) -> str:
     """The guest's MAC address: locally administered, unicast, from the sandbox's id."""
     digest = hashlib.sha1(sandbox_id.encode()).digest()
@@ -149,10 +158,15 @@ class MicroVMLauncher(NetworkedMixin, AgentBackedLauncher):
         gateway_port: int = 0,
         spare_disks: int = 0,
         memory_overhead_mb: int = 0,
+        transport: str = "auto",
     ) -> None:
         super().__init__(state_dir=state_dir, agent_cache_dir=agent_cache_dir, ca_certs=ca_certs)
         if accel not in ("auto", "kvm", "tcg"):
             raise LauncherError(f"microvm accel must be auto, kvm or tcg, not {accel!r}")
+        if transport not in ("auto", "serial", "vsock"):
+            raise LauncherError(f"microvm transport must be auto, serial or vsock, not {transport!r}")
+        self.transport_setting = transport
+        self._link: str | None = None
         self.kernel_dir = kernel_dir
         self.accel_setting = accel
         self.qemu = qemu or boot.QEMU
@@ -188,6 +202,18 @@ class MicroVMLauncher(NetworkedMixin, AgentBackedLauncher):
                 initrd = boot.initramfs(self.boot_dir, kern, self.agent_binary)
                 self._accel = "kvm" if boot.kvm_works(self.boot_dir, kern, initrd) else "tcg"
         return self._accel
+
+    def link(self) -> str:
+        """How the node reaches a VM's agent: ``vsock`` where the node has a usable
+        /dev/vhost-vsock (``transport: auto``, the default, or ``vsock``), else the
+        ``serial`` port (virtio-serial, which every QEMU has). Asked once."""
+        if self._link is None:
+            why = "the node's config says serial" if self.transport_setting == "serial" else (
+                boot.vsock_missing(boot.kernel(self.kernel_dir)))  # fmt: skip
+            if why is not None and self.transport_setting == "vsock":
+                raise LauncherError(f"microvm transport vsock: {why}")
+            self._link = "serial" if why is not None else "vsock"
+        return self._link
 
     def capabilities(self) -> Capabilities:
         return Capabilities(network=self._network_available(), checkpoint=True, kvm=self.accel() == "kvm",
@@ -266,7 +292,9 @@ class MicroVMLauncher(NetworkedMixin, AgentBackedLauncher):
                 accel = self.accel()
                 handle: Handle = {"id": spec.id, "runtime": self.name, "dir": str(d), "memory_mb": spec.memory_mb,
                                   "cpu": spec.cpu, "vcpus": max(1, math.ceil(spec.cpu)), "accel": accel,
-                                  "disks": [m.disk for m in spec.mounts]}  # fmt: skip
+                                  "disks": [m.disk for m in spec.mounts], "link": self.link()}  # fmt: skip
+                if handle["link"] == "vsock":
+                    handle["cid"] = _guest_cid()
                 argv = self._qemu_argv(spec, handle, kern, initrd, root, disk, lease)
                 with phase("runtime"):
                     for attempt, limit in enumerate((FIRST_BOOT_TIMEOUT[accel], BOOT_TIMEOUT)):
@@ -344,7 +372,9 @@ class MicroVMLauncher(NetworkedMixin, AgentBackedLauncher):
         limit = (int(handle["memory_mb"]) + overhead) * 1024 * 1024
         if cgroups.limit_memory(self.cgroup_parent, handle["id"], qemu.pid, limit) is not None:
             handle["qemu_memory_limit_mb"] = int(handle["memory_mb"]) + overhead
-        mux_argv = [str(boot.mux_binary(self.boot_dir)), "host", "--vm", str(d / "vm.sock"),
+        link = ["--vsock", f"{handle['cid']}:{boot.VSOCK_PORT}"] if handle.get("link") == "vsock" else [
+            "--vm", str(d / "vm.sock")]  # fmt: skip
+        mux_argv = [str(boot.mux_binary(self.boot_dir)), "host", *link,
                     "--listen", str(d / "agent.sock"), "--config", str(d / "config")]  # fmt: skip
         with open(d / "mux.log", "wb") as mux_log:
             mux = subprocess.Popen(mux_argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
@@ -390,6 +420,13 @@ class MicroVMLauncher(NetworkedMixin, AgentBackedLauncher):
         accel = handle["accel"]
         append = boot.KERNEL_ARGS + ("" if accel == "kvm" else " " + boot.tcg_args())
         d = Path(handle["dir"])
+        if handle.get("link") == "vsock":  # the agent's link: vsock, or a virtio-serial port
+            append += f" hangar.link=vsock:{boot.VSOCK_PORT}"
+            link = ["-device", f"vhost-vsock-device,guest-cid={handle['cid']}"]
+        else:
+            link = ["-device", "virtio-serial-device",
+                    "-chardev", f"socket,id=agent,path={d / 'vm.sock'},server=on,wait=off",
+                    "-device", "virtserialport,chardev=agent,name=hangar"]  # fmt: skip
         net: list[str] = []
         if lease is not None:
             # QEMU in the sandbox's namespace (nsenter execs it: the pid stays QEMU's), on the tap
@@ -416,9 +453,7 @@ class MicroVMLauncher(NetworkedMixin, AgentBackedLauncher):
             "-drive", f"id=disk,file={disk},format=raw,if=none,discard=unmap",
             "-device", "virtio-blk-device,drive=disk,serial=hangar-disk",
             *volumes_argv,
-            "-device", "virtio-serial-device",
-            "-chardev", f"socket,id=agent,path={d / 'vm.sock'},server=on,wait=off",
-            "-device", "virtserialport,chardev=agent,name=hangar",
+            *link,
             "-qmp", f"unix:{d / 'qmp.sock'},server=on,wait=off",
             *net,
         ]  # fmt: skip
@@ -554,6 +589,12 @@ class MicroVMLauncher(NetworkedMixin, AgentBackedLauncher):
                 raise LauncherError(f"the checkpoint of {spec.id} cannot be restored: {why}")
             handle: Handle = {"id": spec.id, "runtime": self.name, "dir": str(d), "memory_mb": spec.memory_mb,
                               "cpu": spec.cpu, "vcpus": record["vcpus"], "accel": record["accel"], "disks": disks}  # fmt: skip
+            argv = list(record["argv"])
+            if any(a.startswith("vhost-vsock-device,") for a in argv):
+                # A CID of its own now (the one it was saved with may be another VM's by now): the
+                # guest's kernel takes it from the device as it resumes, and its /init the next host.
+                handle["link"], handle["cid"] = "vsock", _guest_cid()
+                argv = [re.sub(r"guest-cid=\d+", f"guest-cid={handle['cid']}", a) for a in argv]
             lease: Lease | None = None
             names: dict[str, list[str]] = {}
             try:
@@ -561,7 +602,7 @@ class MicroVMLauncher(NetworkedMixin, AgentBackedLauncher):
                     lease, names = self.network.setup(spec.id, policy, tap=True)
                 # The guest takes the clock and this network's addresses from it (hangar-mux).
                 self._write_config(d, spec, lease)
-                qemu = self._start(d, handle, list(record["argv"]), tuple(snapshots.incoming(saved)))
+                qemu = self._start(d, handle, argv, tuple(snapshots.incoming(saved)))
                 self._hold_volumes(handle, qemu.pid)
                 snapshots.resume(d / "qmp.sock", lambda: qemu.poll() is None, BOOT_TIMEOUT)
                 self._wait_up(handle, qemu, BOOT_TIMEOUT)

@@ -27,7 +27,7 @@ pytestmark = pytest.mark.skipif(
 
 class Pair:
     def __init__(self, d: Path, mux: Path, agent: Path) -> None:
-        self.d = d
+        self.d, self.mux = d, mux
         self.agent_sock = d / "agent.sock"
         self.port = d / "port.sock"
         self.host_sock = d / "host.sock"
@@ -184,6 +184,23 @@ def test_the_host_end_exits_when_the_port_closes(pair):
     pair.guest.kill()
     pair.guest.wait()
     assert pair.host.wait(timeout=10) == 0
+
+
+def test_a_host_that_goes_is_replaced_by_the_next_one_to_connect(pair):
+    """The guest's end takes a new host whenever the last one has gone: over vsock that is how
+    a restored VM (a new QEMU, a new host end) is reached again; here the same code over a unix
+    socket. A stream open when the host went is gone with it; the new host is served."""
+    live = pair.client.open_process(["sleep", "30"])
+    pair.host.kill()
+    pair.host.wait()
+    pair.host_sock.unlink()  # as the launcher does before it starts a host end
+    pair.host = subprocess.Popen([str(pair.mux), "host", "--vm", str(pair.port), "--listen", str(pair.host_sock),
+                                  "--config", str(pair.d / "config")])  # fmt: skip
+    pair.client = AgentClient(UnixTransport(pair.host_sock))
+    pair.client.wait_listening(10)
+    r = pair.client.exec(["/bin/sh", "-c", "echo again $A"])
+    assert (r.exit_code, bytes(r.stdout)) == (0, b"again\n"), r
+    live.close()
 
 
 def test_a_close_the_client_waits_for_reaches_it_at_once(pair):

@@ -13,8 +13,12 @@
  *       sends the sandbox's configuration, and once the guest says its agent is up, listens on
  *       --listen: each connection accepted there is a new stream (the agent's client connects
  *       there as to gVisor's socket). Exits when QEMU closes the port.
+ *   hangar-mux host --vsock CID:PORT --listen PATH [--config FILE]
+ *       the same over vsock (a node with /dev/vhost-vsock): connects to the guest's vsock
+ *       listener at CID:PORT, trying until the guest listens.
  *   hangar-mux guest --listen-port PATH --agent PATH
- *       the guest's end over a unix socket instead of a port: for tests on the host.
+ *       the guest's end over a unix socket instead of a port: for tests on the host. Like the
+ *       guest's vsock end, it takes a new host whenever the last one has gone.
  *   /init (PID 1 of the VM's initramfs)
  *       loads the virtio modules, mounts the sandbox's root (the image's read-only disk under
  *       an overlay whose upper layer is the sandbox's own disk), moves into it, takes the
@@ -23,6 +27,10 @@
  *       starts the agent as PID 1 of a PID namespace of its own
  *       (the sandbox sees neither this process nor the kernel's threads), and then serves the
  *       guest's end of the port.
+ *
+ * The link is the virtio-serial port, or (kernel argument hangar.link=vsock:PORT) a vsock
+ * connection the guest accepts on PORT: a host that goes (a restore, a restarted mux) is
+ * replaced by the next one to connect.
  *
  * Frames on the link: 1 byte type, 4 bytes stream id, 4 bytes length (both big-endian), payload.
  *
@@ -54,6 +62,7 @@
 #include <sys/syscall.h>
 #include <sys/types.h>
 #include <sys/un.h>
+#include <linux/vm_sockets.h>
 #include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
@@ -86,6 +95,7 @@ struct stream {
 
 static int g_host;                 /* host role: opens streams; guest role: accepts them */
 static int g_link = -1;
+static int g_link_listen = -1;     /* guest: where a host connects (vsock; a unix socket in tests) */
 static struct buf g_link_out, g_link_in;
 static struct stream *g_streams[MAX_STREAMS];
 static size_t g_nstreams;
@@ -521,6 +531,24 @@ static void accept_clients(void)
     }
 }
 
+/* Guest: the host's connection went (a restore, a restarted mux): its streams with it, and
+ * whatever was on the way. The next host to connect sends CONFIG, and HELLO answers it. */
+static void link_lost(void)
+{
+    close(g_link);
+    g_link = -1;
+    reset_all();
+    buf_drop(&g_link_in, g_link_in.len);
+    buf_drop(&g_link_out, g_link_out.len);
+}
+
+static void link_accept(void)
+{
+    int fd = accept4(g_link_listen, NULL, NULL, SOCK_CLOEXEC | SOCK_NONBLOCK);
+    if (fd >= 0)
+        g_link = fd;
+}
+
 static void serve(void)
 {
     static char rbuf[MAX_FRAME];
@@ -534,7 +562,10 @@ static void serve(void)
             send_frame(F_SHUTDOWN, 0, NULL, 0);
         }
         size_t n = 0;
-        pfd[n] = (struct pollfd){.fd = g_link, .events = POLLIN | (g_link_out.len ? POLLOUT : 0)};
+        if (g_link >= 0)
+            pfd[n] = (struct pollfd){.fd = g_link, .events = POLLIN | (g_link_out.len ? POLLOUT : 0)};
+        else /* no host: wait for the next one */
+            pfd[n] = (struct pollfd){.fd = g_link_listen, .events = POLLIN};
         pst[n++] = NULL;
         pfd[n] = (struct pollfd){.fd = g_sigpipe[0], .events = POLLIN};
         pst[n++] = NULL;
@@ -566,11 +597,18 @@ static void serve(void)
             }
         }
         reap();
-        if (pfd[0].revents & (POLLIN | POLLHUP | POLLERR)) {
+        if (g_link < 0) {
+            if (pfd[0].revents & POLLIN)
+                link_accept();
+        } else if (pfd[0].revents & (POLLIN | POLLHUP | POLLERR)) {
             ssize_t r = read(g_link, rbuf, sizeof rbuf);
             if (r == 0 || (r < 0 && errno != EAGAIN && errno != EINTR)) {
                 if (g_host)
                     exit(0); /* QEMU closed its end: the VM is gone */
+                if (g_link_listen >= 0) {
+                    link_lost();
+                    continue;
+                }
                 /* A guest port with no host on it: wait for one to come back. */
                 if (r == 0 || errno == EPIPE || errno == ECONNRESET)
                     poll(NULL, 0, 100);
@@ -581,7 +619,7 @@ static void serve(void)
                 link_parse();
             }
         }
-        if (pfd[0].revents & POLLOUT && g_link_out.len) {
+        if (g_link >= 0 && pfd[0].revents & POLLOUT && g_link_out.len) {
             ssize_t w = write(g_link, g_link_out.p, g_link_out.len);
             if (w > 0)
                 buf_drop(&g_link_out, (size_t)w);
@@ -673,7 +711,28 @@ static char *read_file_all(const char *path, size_t *len)
     return b.p ? b.p : calloc(1, 1);
 }
 
-static int host_main(const char *vm, const char *listen_path, const char *config)
+/* The guest's vsock listener at "CID:PORT", or -1 (nothing listens there yet, or no vsock). */
+static int vsock_connect(const char *where)
+{
+    char *end;
+    unsigned long cid = strtoul(where, &end, 10);
+    if (*end != ':')
+        return -1;
+    unsigned long port = strtoul(end + 1, NULL, 10);
+    int fd = socket(AF_VSOCK, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    if (fd < 0)
+        return -1;
+    struct sockaddr_vm a = {.svm_family = AF_VSOCK, .svm_cid = (unsigned)cid, .svm_port = (unsigned)port};
+    if (connect(fd, (struct sockaddr *)&a, sizeof a) < 0) {
+        int e = errno;
+        close(fd);
+        errno = e;
+        return -1;
+    }
+    return fd;
+}
+
+static int host_main(const char *vm, const char *vsock, const char *listen_path, const char *config)
 {
     g_host = 1;
     g_listen_path = listen_path;
@@ -685,11 +744,11 @@ static int host_main(const char *vm, const char *listen_path, const char *config
     /* QEMU creates its socket as it starts: wait for it (a VM that never comes up is the
      * launcher's to give up on; it kills us with QEMU). */
     for (int i = 0;; i++) {
-        g_link = unix_connect(vm);
+        g_link = vsock ? vsock_connect(vsock) : unix_connect(vm);
         if (g_link >= 0)
             break;
         if (i > 6000)
-            die(vm);
+            die(vsock ? vsock : vm);
         usleep(10000);
     }
     set_nonblock(g_link);
@@ -701,15 +760,14 @@ static int host_main(const char *vm, const char *listen_path, const char *config
 static int guest_test_main(const char *listen_port, const char *agent)
 {
     g_agent_path = agent;
-    int l = unix_listen(listen_port);
-    if (l < 0)
+    g_link_listen = unix_listen(listen_port);
+    if (g_link_listen < 0)
         die(listen_port);
-    struct pollfd p = {.fd = l, .events = POLLIN};
+    struct pollfd p = {.fd = g_link_listen, .events = POLLIN};
     poll(&p, 1, -1);
-    g_link = accept4(l, NULL, NULL, SOCK_CLOEXEC | SOCK_NONBLOCK);
+    link_accept();
     if (g_link < 0)
         die("accept");
-    close(l);
     serve();
     return 0;
 }
@@ -762,15 +820,18 @@ static void must_mount(const char *src, const char *dst, const char *type, unsig
     }
 }
 
+static unsigned link_vsock_port(void);
+
 static void load_modules(void)
 {
     FILE *f = fopen("/modules.list", "re");
     if (!f)
         return;
+    int vsock = link_vsock_port() != 0; /* its modules only where its link is vsock */
     char name[256], path[300];
     while (fgets(name, sizeof name, f)) {
         name[strcspn(name, "\n")] = '\0';
-        if (!*name)
+        if (!*name || (!vsock && strstr(name, "vsock")))
             continue;
         snprintf(path, sizeof path, "/modules/%s", name);
         int fd = open(path, O_RDONLY | O_CLOEXEC);
@@ -1097,14 +1158,54 @@ static char *read_config(size_t *len)
                 continue;
             }
         }
+        if (g_link < 0) { /* vsock: no host connected yet */
+            struct pollfd l = {.fd = g_link_listen, .events = POLLIN};
+            poll(&l, 1, 1000);
+            link_accept();
+            continue;
+        }
         struct pollfd p = {.fd = g_link, .events = POLLIN};
         poll(&p, 1, 1000);
         ssize_t r = read(g_link, rbuf, sizeof rbuf);
-        if (r > 0)
+        if (r > 0) {
             buf_add(&g_link_in, rbuf, (size_t)r);
-        else if (r == 0 || (errno != EAGAIN && errno != EINTR))
-            usleep(20000); /* no host on the port yet */
+        } else if (r == 0 || (errno != EAGAIN && errno != EINTR)) {
+            if (g_link_listen >= 0)
+                link_lost(); /* that host went before its CONFIG: the next one */
+            else
+                usleep(20000); /* no host on the port yet */
+        }
     }
+}
+
+/* The vsock port of hangar.link=vsock:PORT on the kernel's command line, or 0 (the serial port). */
+static unsigned link_vsock_port(void)
+{
+    char cmdline[4096] = "";
+    int fd = open("/proc/cmdline", O_RDONLY | O_CLOEXEC);
+    if (fd >= 0) {
+        ssize_t n = read(fd, cmdline, sizeof cmdline - 1);
+        close(fd);
+        cmdline[n > 0 ? n : 0] = '\0';
+    }
+    const char *at = strstr(cmdline, "hangar.link=vsock:");
+    return at ? (unsigned)strtoul(at + strlen("hangar.link=vsock:"), NULL, 10) : 0;
+}
+
+static int vsock_listen(unsigned port)
+{
+    /* The transport registers as its virtio device is probed: give it a moment. */
+    for (int tries = 0; tries < 400; tries++) {
+        int fd = socket(AF_VSOCK, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
+        if (fd >= 0) {
+            struct sockaddr_vm a = {.svm_family = AF_VSOCK, .svm_cid = VMADDR_CID_ANY, .svm_port = port};
+            if (bind(fd, (struct sockaddr *)&a, sizeof a) == 0 && listen(fd, 4) == 0)
+                return fd;
+            close(fd);
+        }
+        usleep(5000);
+    }
+    return -1;
 }
 
 static int init_main(void)
@@ -1154,9 +1255,16 @@ static int init_main(void)
      * command asking for more than the VM has meets the limit, not a refused malloc. */
     write_text("/proc/sys/vm/overcommit_memory", "1");
 
-    g_link = open_port();
-    if (g_link < 0)
-        die("no virtio-serial port named hangar");
+    unsigned vport = link_vsock_port();
+    if (vport) {
+        g_link_listen = vsock_listen(vport);
+        if (g_link_listen < 0)
+            die("cannot listen on vsock (is vmw_vsock_virtio_transport loaded?)");
+    } else {
+        g_link = open_port();
+        if (g_link < 0)
+            die("no virtio-serial port named hangar");
+    }
     size_t clen = 0;
     char *cfg = read_config(&clen);
     /* The agent's environment: the config's env= fields. */
@@ -1227,10 +1335,12 @@ int main(int argc, char **argv)
     if (getpid() == 1)
         return init_main();
     const char *role = argc > 1 ? argv[1] : "";
-    const char *vm = NULL, *listen_path = NULL, *config = NULL, *agent = NULL, *port = NULL;
+    const char *vm = NULL, *vsock = NULL, *listen_path = NULL, *config = NULL, *agent = NULL, *port = NULL;
     for (int i = 2; i + 1 < argc; i += 2) {
         if (strcmp(argv[i], "--vm") == 0)
             vm = argv[i + 1];
+        else if (strcmp(argv[i], "--vsock") == 0)
+            vsock = argv[i + 1];
         else if (strcmp(argv[i], "--listen") == 0)
             listen_path = argv[i + 1];
         else if (strcmp(argv[i], "--config") == 0)
@@ -1241,11 +1351,11 @@ int main(int argc, char **argv)
             port = argv[i + 1];
     }
     setup_signals();
-    if (strcmp(role, "host") == 0 && vm && listen_path)
-        return host_main(vm, listen_path, config);
+    if (strcmp(role, "host") == 0 && (vm || vsock) && listen_path)
+        return host_main(vm, vsock, listen_path, config);
     if (strcmp(role, "guest") == 0 && port && agent)
         return guest_test_main(port, agent);
-    fprintf(stderr, "usage: hangar-mux host --vm PATH --listen PATH [--config FILE]\n"
+    fprintf(stderr, "usage: hangar-mux host (--vm PATH | --vsock CID:PORT) --listen PATH [--config FILE]\n"
                     "       hangar-mux guest --listen-port PATH --agent PATH\n");
     return 2;
 }
