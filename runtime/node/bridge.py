@@ -68,6 +68,8 @@ HIGH = settings.HANGAR_FLOW_HIGH_BYTES  # 128 KiB by default
 STDIN_PENDING = settings.HANGAR_STDIN_PENDING_BYTES  # 8 MiB
 KILL_WAIT_S = 1.0  # a kill not delivered by then (the connection is held by unread input): hang up
 THREADS = 512  # blocking calls at once: writes to commands that do not read each hold one
+STARTS = 8  # commands started at once (each waits on its sandbox's agent, on a thread)
+STARTING_QUEUE = 256  # messages kept for a command while it starts; past that, input is refused
 LOW = settings.HANGAR_FLOW_LOW_BYTES  # 32 KiB
 STALE_S = 15.0
 COALESCE_BYTES = 256 * 1024
@@ -124,6 +126,8 @@ class Bridge:
         # Processes being started (their sandbox's agent may take a while to answer), with the
         # messages that came for them meanwhile: handled in order once the start is done.
         self.starting: dict[str, list[dict[str, Any]]] = {}
+        self._start_slots = asyncio.Semaphore(STARTS)
+        self.closing = False  # the loop has ended: a start that finishes now is not kept
         self.loop: asyncio.AbstractEventLoop | None = None
         self._background: set[asyncio.Task[None]] = set()
         self.instance = uuid.uuid4().hex
@@ -185,6 +189,9 @@ class Bridge:
                     log.exception("bridge: failed to handle %s", msg.get("type"))
         finally:
             housekeeping.cancel()
+            self.closing = True
+            for task in list(self._background):  # starts under way among them
+                task.cancel()
             with contextlib.suppress(Exception):  # followers learn at once that nothing more comes
                 await asyncio.to_thread(redis_client().delete, streams.bridge_alive_key(self.node_name))
             if tunnel_server is not None:
@@ -201,7 +208,12 @@ class Bridge:
         that process meanwhile waits for it."""
         key = msg.get("key", "")
         if key in self.starting:
-            self.starting[key].append(msg)
+            if len(self.starting[key]) < STARTING_QUEUE:
+                self.starting[key].append(msg)
+            elif msg.get("type") == streams.INPUT:  # bounded: the sender is told, as for a full stdin
+                self._spawn(self._ack_input(msg, refused=True))
+            else:
+                log.warning("bridge: %s is still starting; dropped a %s", key, msg.get("type"))
         elif msg.get("type") == streams.START:
             self.starting[key] = []
             self._spawn(self._start_then_the_rest(msg))
@@ -211,23 +223,32 @@ class Bridge:
     async def _start_then_the_rest(self, msg: dict[str, Any]) -> None:
         key = msg["key"]
         try:
-            await self._start(msg)
-        except Exception as exc:
-            log.exception("bridge: failed to start %s", key)
-            with contextlib.suppress(Exception):
-                await self.layer.send(msg["reply"], {"type": streams.FAILED, "key": key, "error": "runtime",
-                                                     "message": f"the node could not start it: {exc}"})  # fmt: skip
+            async with self._start_slots:
+                await self._start_or_say_why(msg)
         finally:
             waiting = self.starting.get(key, [])
             while waiting:  # what comes while these are handled joins the list, in order
                 queued = waiting.pop(0)
                 try:
-                    await (
-                        self._start(queued) if queued.get("type") == streams.START else self._handle(queued)
-                    )
+                    if queued.get("type") == streams.START:
+                        await self._start_or_say_why(queued)
+                    else:
+                        await self._handle(queued)
                 except Exception:
                     log.exception("bridge: failed to handle %s", queued.get("type"))
             self.starting.pop(key, None)
+
+    async def _start_or_say_why(self, msg: dict[str, Any]) -> None:
+        """:meth:`_start`; an unexpected failure is told to the starter, unless the command did
+        start (then the starter's wait runs out, and the command's row stays: it runs)."""
+        try:
+            await self._start(msg)
+        except Exception as exc:
+            log.exception("bridge: failed to start %s", msg["key"])
+            if msg["key"] not in self.procs:
+                with contextlib.suppress(Exception):
+                    await self.layer.send(msg["reply"], {"type": streams.FAILED, "key": msg["key"], "error": "runtime",
+                                                         "message": f"the node could not start it: {exc}"})  # fmt: skip
 
     async def _handle(self, msg: dict[str, Any]) -> None:
         kind = msg.get("type")
@@ -332,6 +353,10 @@ class Bridge:
         )  # fmt: skip
         if msg.get("mask"):
             lp.maskers = {name: streams.Masker(msg["mask"]) for name in ("stdout", "stderr")}
+        if self.closing:  # the bridge ended while it started: nobody would ever close it
+            with contextlib.suppress(Exception):
+                process.close()
+            return
         self.procs[key] = lp
         initial = msg.get("stdin_data")
         if initial:

@@ -199,11 +199,11 @@ async def _launch(
     except (InvalidValue, Conflict, NodeUnavailable) as exc:
         if follower is not None:
             await follower.close()
-        if isinstance(exc, NodeUnavailable):  # the node's failure: the row says what happened
+        if isinstance(exc, InvalidValue):  # refused by the sandbox (no such binary or cwd): nothing ran
+            await _db(Exec.objects.filter(id=row.id).delete)()
+        else:  # the node's or the runtime's failure: the row says what happened
             row.status, row.error, row.finished_at = Exec.Status.FAILED, exc.message, timezone.now()
             await _db(row.save)(update_fields=["status", "error", "finished_at"])
-        else:  # refused (no such cwd, the sandbox paused meanwhile): nothing ran, nothing is left
-            await _db(Exec.objects.filter(id=row.id).delete)()
         raise
     except BaseException:
         if follower is not None:
@@ -280,11 +280,11 @@ async def _open_terminal(
     try:
         row.pid, _, _ = await sandbox_access(sandbox).start_process(streams.terminal_key(row.id), fields)
     except (InvalidValue, Conflict, NodeUnavailable) as exc:
-        if isinstance(exc, NodeUnavailable):
+        if isinstance(exc, InvalidValue):  # refused, as a command's start is: no row is left of it
+            await _db(Terminal.objects.filter(id=row.id).delete)()
+        else:
             row.status, row.error, row.ended_at = Terminal.Status.FAILED, exc.message, timezone.now()
             await _db(row.save)(update_fields=["status", "error", "ended_at"])
-        else:  # refused, as a command's start is: no row is left of it
-            await _db(Terminal.objects.filter(id=row.id).delete)()
         raise
     await _db(Terminal.objects.filter(id=row.id).update)(pid=row.pid)
     return row
@@ -578,13 +578,16 @@ class ProcessFollow:
                         follower.done = True
                         yield ("exit", {"exit_code": None, "signal": 0, "timed_out": False, "error": gone})
                         break
-                    if follower.syncing and not heard and await _db(_ended_info)(self.handle) is not None:
+                    if (
+                        follower.syncing and not heard and not self.live and follower.want == 0
+                        and await _db(_ended_info)(self.handle) is not None
+                    ):  # fmt: skip
                         # No word from the bridge at all, and the row says the process ended:
-                        # what the row kept is the answer (a follower of an ended process does
-                        # not wait on a bridge that is busy, or gone with its node).
+                        # what the row kept (its output's tail, then its exit) is the answer: a
+                        # follower of an ended process does not wait on a bridge that is busy,
+                        # or gone with its node. (The finally below detaches its attach.)
                         async for stored in _stored_output(self.handle, follower.want):
                             yield stored
-                        follower.done = True
                         return
                     if time.monotonic() - quiet_since < FOLLOW_IDLE_S:
                         continue

@@ -220,11 +220,14 @@ class AgentClient:
         if detachable:
             fields.append(("detach", 1))
         sock = self._request(b"E", fields, timeout=io_timeout)
-        # A command may be silent for as long as it runs: without a timeout of its own, its
-        # stream must not inherit the client's default for requests (None there means that).
-        sock.settimeout(io_timeout)
         try:
+            # Its start is answered at once, or the agent is stuck (a sandbox being paused):
+            # the wait for it is bounded, whatever the command's own timeout.
+            sock.settimeout(self.io_timeout if io_timeout is None else max(io_timeout, self.io_timeout or 0))
             started = expect(*read_frame(sock), b"S")
+            # A command may be silent for as long as it runs: without a timeout of its own, its
+            # stream must not inherit the client's default for requests (None there means that).
+            sock.settimeout(io_timeout)
             return AgentProcess(sock, int(started["pid"]), self, io_timeout)
         except (KeyError, ValueError) as exc:
             sock.close()
