@@ -126,8 +126,11 @@ def test_the_host_and_other_sandboxes_are_out_of_reach_whatever_the_policy(launc
     lease, other_lease = launcher.network.lease_of(h["id"]), launcher.network.lease_of(other["id"])
     assert fetch(launcher, h, f"http://{A}:8080/") == "server-a\n"  # the internet: yes
     # Its gateway (the host), the host's address toward the world, and the other sandbox: no.
+    # And the node's real services on their own ports, at every address the sandbox could try
+    # (Postgres and Redis listen on the host's loopback here: the sandbox's 127.0.0.1 is its own).
+    services = [(a, p) for a in (lease.host_ip, "127.0.0.1") for p in (5432, 6379)]
     with listener(launcher, other, other_lease.sandbox_ip, 9000):  # it answers on its own address
-        for addr, p in ((lease.host_ip, port), (WORLD_GW, port), (other_lease.sandbox_ip, 9000)):
+        for addr, p in ((lease.host_ip, port), (WORLD_GW, port), (other_lease.sandbox_ip, 9000), *services):
             r = launcher.exec(
                 h, ExecRequest(argv=["sh", "-c", f"echo x | timeout 2 nc {addr} {p}"], timeout=20)
             )
