@@ -125,20 +125,18 @@ def _union_member(part: Any) -> bool:
 
 def explain(errors: list[dict[str, Any]]) -> str:
     """Validation errors as one line, ``field: what is wrong; …``. A value that fits none of a
-    union's members is explained by the first member only (an out-of-range port is "greater
-    than or equal to 1", not that and "an object needs a port" too)."""
+    union's members is explained by one member only: the first whose error is inside the value
+    (an object port with a bad field is told about that field, not that it is no integer), else
+    the first (an out-of-range port is "less than or equal to 65535", not that and "an object
+    needs a port" too)."""
     messages: list[str] = []
-    first_member: dict[tuple[Any, ...], Any] = {}
+    chosen = _chosen_members(errors)
     for err in errors:
         path: list[Any] = []
         skip = False
-        loc = list(err.get("loc", ()))
-        for names in _SOURCES:
-            if loc and loc[0] in names:
-                loc.pop(0)
-        for part in loc:
+        for part in _located(err):
             if _union_member(part):
-                if first_member.setdefault(tuple(path), part) != part:
+                if chosen.get(tuple(path)) != part:
                     skip = True
                     break
                 continue
@@ -150,6 +148,35 @@ def explain(errors: list[dict[str, Any]]) -> str:
         if not skip and line not in messages:
             messages.append(line)
     return "; ".join(messages)
+
+
+def _located(err: dict[str, Any]) -> list[Any]:
+    """An error's location without where it came from (``body``, ``payload``…)."""
+    loc = list(err.get("loc", ()))
+    for names in _SOURCES:
+        if loc and loc[0] in names:
+            loc.pop(0)
+    return loc
+
+
+def _chosen_members(errors: list[dict[str, Any]]) -> dict[tuple[Any, ...], Any]:
+    """For each union in the errors (by the path to it), the member that explains it: the first
+    with an error inside the value (a field of it), else the first."""
+    members: dict[tuple[Any, ...], dict[Any, bool]] = {}
+    for err in errors:
+        path: list[Any] = []
+        loc = _located(err)
+        for i, part in enumerate(loc):
+            if _union_member(part):
+                inside = i + 1 < len(loc) and not _union_member(loc[i + 1])
+                seen = members.setdefault(tuple(path), {})
+                seen[part] = seen.get(part, False) or inside
+                continue
+            path.append(part)
+    return {
+        prefix: next((m for m, inside in seen.items() if inside), next(iter(seen)))
+        for prefix, seen in members.items()
+    }
 
 
 def has_lone_surrogate(value: Any) -> bool:
