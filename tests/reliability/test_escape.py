@@ -214,10 +214,12 @@ def test_raw_sockets_inside_see_none_of_the_hosts_packets(launcher, make, probe,
     marker = f"hangar-raw-{uuid.uuid4().hex}"
     stop = threading.Event()
 
+    addresses = _host_addresses()
+
     def send() -> None:  # the host's own traffic, on every address it has, while the sandbox listens
         with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
             while not stop.is_set():
-                for address in _host_addresses():
+                for address in addresses:
                     s.sendto(marker.encode(), (address, 9))
                 time.sleep(0.05)
 

@@ -285,21 +285,27 @@ static int unix_addr(struct sockaddr_un *a, const char *path)
     return 0;
 }
 
-static int unix_connect(const char *path)
+/* A stream socket of DOMAIN connected to A, or -1 with errno set. */
+static int stream_connect(int domain, const struct sockaddr *a, socklen_t len)
 {
-    struct sockaddr_un a;
-    if (unix_addr(&a, path) < 0)
-        return -1;
-    int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    int fd = socket(domain, SOCK_STREAM | SOCK_CLOEXEC, 0);
     if (fd < 0)
         return -1;
-    if (connect(fd, (struct sockaddr *)&a, sizeof a) < 0) {
+    if (connect(fd, a, len) < 0) {
         int e = errno;
         close(fd);
         errno = e;
         return -1;
     }
     return fd;
+}
+
+static int unix_connect(const char *path)
+{
+    struct sockaddr_un a;
+    if (unix_addr(&a, path) < 0)
+        return -1;
+    return stream_connect(AF_UNIX, (struct sockaddr *)&a, sizeof a);
 }
 
 /* Bound under a temporary name and renamed into place once listening, as the agent does: the
@@ -719,17 +725,8 @@ static int vsock_connect(const char *where)
     if (*end != ':')
         return -1;
     unsigned long port = strtoul(end + 1, NULL, 10);
-    int fd = socket(AF_VSOCK, SOCK_STREAM | SOCK_CLOEXEC, 0);
-    if (fd < 0)
-        return -1;
     struct sockaddr_vm a = {.svm_family = AF_VSOCK, .svm_cid = (unsigned)cid, .svm_port = (unsigned)port};
-    if (connect(fd, (struct sockaddr *)&a, sizeof a) < 0) {
-        int e = errno;
-        close(fd);
-        errno = e;
-        return -1;
-    }
-    return fd;
+    return stream_connect(AF_VSOCK, (struct sockaddr *)&a, sizeof a);
 }
 
 static int host_main(const char *vm, const char *vsock, const char *listen_path, const char *config)
