@@ -65,14 +65,18 @@ REFUSAL_EVERY_S = 2.0  # refused input is said to a websocket client at most thi
 VIEWER_REFUSAL = "viewers of this team can watch but not type, resize or start commands"
 
 
-def _identity(scope: dict[str, Any]) -> tuple[Any, Team, bool] | None:
-    """(user, team, may change things) for a token or a same-origin session; None if neither.
+SCOPE_REFUSAL = "this token lacks the scope 'sandboxes:read' (it has: {scopes})"
+
+
+def _identity(scope: dict[str, Any]) -> tuple[Any, Team, bool] | str | None:
+    """(user, team, may change things) for a token or a same-origin session; None if neither;
+    why, for a valid token whose scopes do not reach sandboxes (a 4403, as the REST API's 403).
     A team's viewers may watch terminals and commands but not type into them or start any."""
     token = scope.get("api_token")
     if token is not None:
         # A token's own role and scopes bound it here as on the REST API.
         if not token_allows(token, "sandboxes:read"):
-            return None
+            return SCOPE_REFUSAL.format(scopes=", ".join(token.scopes))
         may_change = role_at_least(token.effective_role, "member") and token_allows(token, "sandboxes:write")
         return token.user, token.team, may_change
     if scope.get("token_presented"):
@@ -143,6 +147,11 @@ class _Base(AsyncWebsocketConsumer):
         who = await database_sync_to_async(_identity)(self.scope)
         if who is None:
             await self.close(code=CLOSE_UNAUTHORIZED)
+            return False
+        if isinstance(who, str):  # said in a frame first: daphne does not pass a close's reason on
+            await self.accept()
+            await self.send_json({"type": "error", "message": who})
+            await self.close(code=CLOSE_FORBIDDEN, reason=who)
             return False
         self.user, self.team, self.can_change = who
         return True

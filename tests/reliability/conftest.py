@@ -22,6 +22,9 @@ RESULTS: list[dict[str, Any]] = []
 BUDGET_S = {
     "test_escape": 600,
     "test_authorization": 240,
+    "test_authorization_ws": 120,
+    "test_authorization_pages": 150,
+    "test_authorization_edges": 150,
     "test_bad_input": 900,  # schemathesis alone runs its --max-time 400
     "test_load": 300,
     "test_faults": 400,
@@ -78,6 +81,8 @@ def pytest_runtest_makereport(item, call):
 def pytest_sessionfinish(session, exitstatus) -> None:
     over = [f"{suite}: {spent:.0f} s, over its budget of {BUDGET_S[suite]} s"
             for suite, spent in sorted(SPENT_S.items()) if spent > BUDGET_S.get(suite, float("inf"))]  # fmt: skip
+    over += [f"{suite}: {spent:.0f} s, and no budget in BUDGET_S" for suite, spent in sorted(SPENT_S.items())
+             if suite not in BUDGET_S]  # fmt: skip
     if over:
         reporter = session.config.pluginmanager.get_plugin("terminalreporter")
         if reporter is not None:

@@ -219,7 +219,7 @@ class Stack:
         self.kill_everything()
         for name in ("redis", "postgres"):
             self.kill(name, sig=signal.SIGTERM)
-        # Whatever runsc left of this node's sandboxes goes with its data dir's state.
+        destroy_leftovers(self.data)  # the node's nftables table and what its sandboxes left
         subprocess.run(["umount", "-l", str(self.data)], capture_output=True, timeout=60)
         shutil.rmtree(self.pg_root, ignore_errors=True)
 

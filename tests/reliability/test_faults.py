@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import signal
 import subprocess
 import threading
 import time
@@ -41,9 +42,24 @@ def stack(tmp_path_factory) -> Iterator[Stack]:
         s.close()
 
 
+WITNESS = "witness"  # a volume in use through every fault: what was written to it is kept
+WRITTEN: list[str] = []  # the lines written to it so far, one before each fault
+
+
 @pytest.fixture(autouse=True)
-def _clean(stack) -> Iterator[None]:
-    """Each fault starts on an empty node: the sandboxes a test made are deleted after it."""
+def _clean(stack, request) -> Iterator[None]:
+    """Each fault starts on an empty node but for a sandbox that has just written a line to
+    the witness volume and keeps it mounted through the fault; after it, every sandbox is
+    deleted and a new one reads the volume back: no line written before a fault is lost."""
+    line = f"before {request.node.name}"
+    with stack.api() as api:
+        if not WRITTEN:
+            r = api.post("/volumes", json={"name": WITNESS, "size_mb": 16})
+            assert r.status_code == 201, r.text
+        holder = create(api, volumes=[{"volume": WITNESS, "mount_path": "/w"}])
+        r = exec_(api, holder["id"], f"echo '{line}' >> /w/log && sync")
+        assert r.status_code == 200 and r.json()["exit_code"] == 0, r.text
+        WRITTEN.append(line)
     yield
     with stack.api() as api:
         try:
@@ -52,6 +68,13 @@ def _clean(stack) -> Iterator[None]:
             eventually(lambda: not api.get("/sandboxes", params={"limit": 1000}).json(), 60, "all deleted")
         except (httpx.HTTPError, AssertionError):
             pass  # a fault left the stack unable to answer: the next test says so
+        reader = eventually(lambda: create(api, volumes=[{"volume": WITNESS, "mount_path": "/w"}]), 60,
+                            "a sandbox with the witness volume after the fault")  # fmt: skip
+        r = exec_(api, reader["id"], "cat /w/log")
+        assert r.status_code == 200, r.text
+        assert r.json()["stdout"].splitlines() == WRITTEN, f"the witness volume after {line}: {r.text}"
+        assert api.delete(f"/sandboxes/{reader['id']}").status_code in (202, 204)
+        eventually(lambda: not api.get("/sandboxes", params={"limit": 1000}).json(), 60, "the reader deleted")
 
 
 def create(api: httpx.Client, **extra) -> dict:
@@ -340,8 +363,12 @@ def test_the_worker_killed_during_an_operation(stack, operation, report):
                 r = api.delete(f"/sandboxes/{sid}")
             assert r.status_code < 300, r.text
         old = stack.child("worker")
-        stack.kill("worker")
+        # Stopped the moment the request has its answer, so the operation is still in the
+        # worker's hands (queued, taken or half done), then killed: never a fault after the fact.
+        stack.kill("worker", sig=signal.SIGSTOP)
         killed_in = api.get(f"/sandboxes/{sid}").json()["status"]
+        stack.kill("worker")
+        assert killed_in in TRANSITIONAL, f"{operation} was over ({killed_in}) before the worker was killed"
         stack.restarted("worker", old)  # by hangar up
         started = time.monotonic()
         final = eventually(
@@ -357,22 +384,34 @@ def test_the_worker_killed_during_an_operation(stack, operation, report):
                 converged_s=round(took, 1))  # fmt: skip
 
 
+def _shows(sandbox_id: str, kind: str, text: str) -> bool:
+    digest = hashlib.sha1(sandbox_id.encode()).hexdigest()[:8]
+    return sandbox_id in text or (kind in ("interfaces", "nftables") and digest in text)
+
+
 def test_nothing_is_left_without_its_row_and_no_row_without_its_resources(stack):
     """After every fault above: no process, mount, loop device, network namespace, veth,
-    nftables rule or cgroup of a sandbox whose row is not live; and each live row's sandbox is
-    in runsc's list."""
+    nftables rule or cgroup of a sandbox whose row is not live; each running row has every one
+    of them (which also shows that the search for leftovers looks where sandboxes leave things);
+    a paused one has no process and no runtime; each live row's sandbox is in runsc's list."""
     with stack.api() as api:
+        r = api.post("/volumes", json={"name": "live-check", "size_mb": 16})
+        assert r.status_code == 201, r.text
+        live = create(api, volumes=[{"volume": "live-check", "mount_path": "/v"}], network={"egress": "all"})
+        paused = create(api)
+        r = api.post(f"/sandboxes/{paused['id']}/pause", json={"mode": "stop"})
+        assert r.status_code == 200 and r.json()["status"] == "paused", r.text
         rows = {r["id"]: r["status"] for r in api.get("/sandboxes", params={"limit": 1000}).json()}
         gone = [r["id"] for r in api.get("/sandboxes", params={"status": "deleted", "limit": 1000}).json()]
     assert len(gone) >= 10, f"the faults above left only {len(gone)} deleted sandboxes to check"
     host = host_resources()
-    leftovers = []
-    for sandbox_id in gone:
-        digest = hashlib.sha1(sandbox_id.encode()).hexdigest()[:8]
-        for kind, text in host.items():
-            if sandbox_id in text or (kind in ("interfaces", "nftables") and digest in text):
-                leftovers.append(f"{sandbox_id} in {kind}")
+    leftovers = [f"{i} in {kind}" for i in gone for kind, text in host.items() if _shows(i, kind, text)]
     assert not leftovers, leftovers
+    absent = [kind for kind, text in host.items() if not _shows(live["id"], kind, text)]
+    assert not absent, f"the running sandbox {live['id']} has no {', '.join(absent)} on the host"
+    kept = [kind for kind in ("processes", "cgroups", "network namespaces", "interfaces", "nftables")
+            if _shows(paused["id"], kind, host[kind])]  # fmt: skip
+    assert not kept, f"the paused (stopped) sandbox {paused['id']} still has its {', '.join(kept)}"
     roots = [p for p in stack.data.glob("*/runsc-root")] + [p for p in stack.data.glob("*/*/runsc-root")]
     assert roots, f"no runsc state under {stack.data}"
     listed: set[str] = set()
