@@ -701,6 +701,9 @@ class SshKey(models.Model):
     # Registered with an API token: it opens only that token's team's harnesses (a token is a
     # team's; from the dashboard, a key opens every team of the user's).
     team = models.ForeignKey(Team, null=True, blank=True, on_delete=models.CASCADE, related_name="+")
+    # The most it acts as ("": the user's role in the team): a key registered with a token acts
+    # at most as that token could (its role; a viewer's without the harnesses:write scope).
+    role = models.CharField(max_length=16, blank=True, default="")
     created_at = models.DateTimeField(auto_now_add=True)
     last_used_at = models.DateTimeField(null=True, blank=True)
 

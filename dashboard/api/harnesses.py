@@ -20,6 +20,7 @@ from runtime.services import processes as proc_svc
 from runtime.services import runs as run_svc
 from runtime.services import spans
 from runtime.services import ssh_keys as key_svc
+from runtime.services.auth import token_allows
 from runtime.services.runs import MAX_PROMPT
 from runtime.services.sandboxes import SETTLED
 from runtime.services.volumes import MIN_MB as VOLUME_MIN_MB
@@ -408,6 +409,8 @@ class SshKeyOut(Schema):
     id: int
     name: str
     team: str | None = Field(description="the only team whose harnesses it opens (null: all of yours)")
+    role: str | None = Field(description="the most it acts as there (null: your role in the team); a key "
+                             "registered with a token acts at most as the token could")  # fmt: skip
     public_key: str
     fingerprint: str
     created_at: datetime
@@ -415,7 +418,8 @@ class SshKeyOut(Schema):
 
 
 def _key_out(k: Any) -> SshKeyOut:
-    return SshKeyOut(id=k.id, name=k.name, team=k.team.name if k.team_id else None, public_key=k.public_key,
+    return SshKeyOut(id=k.id, name=k.name, team=k.team.name if k.team_id else None, role=k.role or None,
+                     public_key=k.public_key,
                      fingerprint=k.fingerprint, created_at=k.created_at, last_used_at=k.last_used_at)  # fmt: skip
 
 
@@ -432,8 +436,13 @@ async def add_key(request: AuthedRequest, payload: SshKeyIn):
     """Register a public key for yourself; then `ssh -p <port> <harness>@<host>`. A key
     registered with a token opens only the harnesses of the token's team (keys added on the
     profile page open all of your teams')."""
+    token = request.auth
+    # The key acts at most as this token could: its role, and a viewer's where its scopes do not
+    # let it use harnesses (a viewer's or a narrowly scoped token does not make a member's shell).
+    role = token.effective_role if token_allows(token, "harnesses:write") else "viewer"
     key = await blocking(lambda: key_svc.ssh_key_add(user=_user(request), name=payload.name,
-                                                     public_key=payload.public_key, team=_team(request)))()  # fmt: skip
+                                                     public_key=payload.public_key, team=_team(request),
+                                                     role=role))()  # fmt: skip
     return 201, _key_out(key)
 
 

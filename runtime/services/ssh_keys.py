@@ -13,7 +13,7 @@ from .. import notify
 from ..errors import Conflict, Forbidden, InvalidValue, NotFound, ServiceError
 from ..models import Harness, Membership, SshKey, Team
 from . import audit
-from .auth import role_at_least
+from .auth import lower_role, role_at_least
 
 MAX_KEYS_PER_USER = 50
 
@@ -46,9 +46,13 @@ def ssh_keys_for_user(*, user: User) -> QuerySet[SshKey]:
     return SshKey.objects.filter(user=user).order_by("created_at")
 
 
-def ssh_key_add(*, user: User, name: str, public_key: str, team: Team | None = None) -> SshKey:
+def ssh_key_add(
+    *, user: User, name: str, public_key: str, team: Team | None = None, role: str = ""
+) -> SshKey:
     """``team``: the key opens only that team's harnesses (keys registered with an API token,
-    which is one team's, are; keys added in the dashboard open all of the user's teams)."""
+    which is one team's, are; keys added in the dashboard open all of the user's teams).
+    ``role``: the most the key acts as there (a key registered with a token: what the token
+    could do, so a viewer's or a narrowly scoped token cannot make itself a member's shell)."""
     line, fingerprint, comment = parse_public_key(public_key)
     name = (name or comment or "key").strip()[:100]
     if SshKey.objects.filter(user=user).count() >= MAX_KEYS_PER_USER:
@@ -56,7 +60,9 @@ def ssh_key_add(*, user: User, name: str, public_key: str, team: Team | None = N
     if SshKey.objects.filter(fingerprint=fingerprint).exists():
         raise Conflict(f"the key {fingerprint} is already registered (a key belongs to one user)")
     try:
-        key = SshKey.objects.create(user=user, name=name, public_key=line, fingerprint=fingerprint, team=team)
+        key = SshKey.objects.create(
+            user=user, name=name, public_key=line, fingerprint=fingerprint, team=team, role=role
+        )
     except IntegrityError:
         raise Conflict(f"you already have a key named {name!r}, or this key is already registered") from None
     audit.record("ssh_key.add", target=f"{fingerprint} of {user.get_username()}", name=name)
@@ -94,13 +100,13 @@ def harness_for_ssh(*, user: User, target: str, fingerprint: str = "") -> Harnes
     teams = Membership.objects.filter(user=user).values_list("team_id", "role")
     roles = dict(teams)
     if fingerprint:
-        only = (
-            SshKey.objects.filter(fingerprint=fingerprint, user=user)
-            .values_list("team_id", flat=True)
-            .first()
-        )
+        only, most = SshKey.objects.filter(fingerprint=fingerprint, user=user).values_list(
+            "team_id", "role"
+        ).first() or (None, "")
         if only is not None:  # a key registered with a team's token opens that team's only
             roles = {k: v for k, v in roles.items() if k == only}
+        if most:  # and acts at most as that token could
+            roles = {k: lower_role(v, most) for k, v in roles.items()}
     rows = list(
         Harness.objects.filter(team_id__in=roles.keys(), deleted_at__isnull=True)
         .filter(Q(name=target) | Q(id=target))

@@ -246,4 +246,44 @@ def test_websockets_obey_token_roles_and_scopes(team):
     assert who(raw_for(team, "t-member"))[2] is True  # may type
     assert who(raw_for(team, "t-admin", role="viewer"))[2] is False  # watches only
     assert who(raw_for(team, "t-member", scopes=["sandboxes:read"]))[2] is False
-    assert who(raw_for(team, "t-member", scopes=["volumes:*"])) is None  # not its business at all
+    # Not its business at all: refused (a 4403) saying which scope it lacks.
+    assert who(raw_for(team, "t-member", scopes=["volumes:*"])) == (
+        "this token lacks the scope 'sandboxes:read' (it has: volumes:*)"
+    )
+
+
+def test_a_key_registered_with_a_token_opens_no_more_than_the_token_could(team, tmp_path):
+    """An SSH key registered through the API acts at most as the token that registered it: a
+    viewer-issued token of an admin, or a token scoped to SSH keys alone, cannot make itself a
+    member's shell through a key; the admin's full token can."""
+    import subprocess
+
+    from runtime.errors import Forbidden
+    from runtime.models import Harness, Sandbox
+    from runtime.services.ssh_keys import harness_for_ssh
+
+    sb = Sandbox.objects.create(
+        team=team, image="busybox", image_digest="sha256:" + "a" * 64, status="stopped"
+    )
+    Harness.objects.create(team=team, name="work", agent="custom", image="busybox", sandbox=sb, setup="done")
+    admin = get_user_model().objects.get(username="t-admin")
+    cases = {
+        "viewer-issued": (raw_for(team, "t-admin", role="viewer"), "viewer"),
+        "ssh_keys:write only": (raw_for(team, "t-admin", scopes=["ssh_keys:write"]), "viewer"),
+        "harnesses:write and ssh_keys:write": (
+            raw_for(team, "t-admin", scopes=["harnesses:write", "ssh_keys:write"]), "admin"),
+        "full": (raw_for(team, "t-admin"), "admin"),
+    }  # fmt: skip
+    for i, (what, (raw, role)) in enumerate(cases.items()):
+        path = tmp_path / f"k{i}"
+        subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(path)], check=True)
+        status, key = call(
+            "POST", "/ssh-keys", raw, {"name": f"k{i}", "public_key": path.with_suffix(".pub").read_text()}
+        )
+        assert status == 201, (what, key)
+        assert key["team"] == "toks" and key["role"] == role, (what, key)
+        if role == "viewer":
+            with pytest.raises(Forbidden, match="a shell needs member or above"):
+                harness_for_ssh(user=admin, target="work", fingerprint=key["fingerprint"])
+        else:
+            assert harness_for_ssh(user=admin, target="work", fingerprint=key["fingerprint"]).name == "work"

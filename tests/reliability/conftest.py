@@ -21,10 +21,11 @@ RESULTS: list[dict[str, Any]] = []
 # session, naming it, so that none grows unnoticed into the CI's time (docs/reliability.md).
 BUDGET_S = {
     "test_escape": 600,
-    "test_authorization": 240,
+    "test_authorization": 360,
     "test_authorization_ws": 120,
     "test_authorization_pages": 150,
     "test_authorization_edges": 150,
+    "test_authorization_ssh": 180,
     "test_bad_input": 900,  # schemathesis alone runs its --max-time 400
     "test_load": 300,
     "test_faults": 400,

@@ -264,14 +264,27 @@ def test_the_authorization_matrix(callers, report):
 
 # -- objects: own team's, another team's, nonexistent ---------------------------------------------
 
-# The path parameters that name a team's object, and the least of it the matrix makes.
-OBJECT_PARAMS = ("sandbox_id", "volume", "harness_id", "name")
-SUB_IDS = {"process_id": "999999", "terminal_id": "999999", "port": "8000"}
+# The path parameters that name a team's (or a user's) object, and the least of it the matrix makes.
+OBJECT_PARAMS = ("sandbox_id", "volume", "harness_id", "name", "pool_id", "run_id", "trace_id", "team_id",
+                 "invitation_id", "token_id", "key_id")  # fmt: skip
+SUB_IDS = {"process_id": "999999", "terminal_id": "999999", "port": "8000", "username": "nosuchuser",
+           "value_id": "999999"}  # fmt: skip
+# Whose user a caller's token is (its own tokens and SSH keys are that user's).
+USER_OF = {**{role: f"u-{role}" for role in ROLES}, "staff member": "u-staff",
+           "another team's owner": "u-outsider"}  # fmt: skip
+MISSING = {"sandbox_id": "sbnosuch00000000000", "volume": "nosuch", "harness_id": "nosuch", "name": "NOSUCH",
+           "pool_id": "plnosuch000000000000", "run_id": "rnnosuch000000000000", "trace_id": "f" * 32,
+           "team_id": "999999", "invitation_id": "999999", "token_id": "999999", "key_id": "999999"}  # fmt: skip
 
 
-def _objects(team: Team, tag: str) -> dict[str, str]:
-    from runtime.models import Harness, Sandbox, Secret, Volume
+def _objects(team: Team, tag: str, username: str) -> dict[str, str]:
+    """One of each object in ``team``, and a token and an SSH key of ``username``'s there."""
+    import secrets
 
+    from runtime.models import Harness, Invitation, Pool, Run, Sandbox, Secret, SshKey, Volume
+    from runtime.trace_models import Trace
+
+    user = get_user_model().objects.get(username=username)
     sb = Sandbox.objects.create(
         team=team, image="busybox", image_digest="sha256:" + "a" * 64, status="stopped"
     )
@@ -279,54 +292,149 @@ def _objects(team: Team, tag: str) -> dict[str, str]:
     h = Harness.objects.create(team=team, name=f"h-{tag}", agent="custom", image="busybox", sandbox=sb,
                                setup="done")  # fmt: skip
     Secret.objects.create(team=team, name=f"S_{tag.upper()}", ciphertext=b"x")
-    return {"sandbox_id": sb.id, "volume": vol.name, "harness_id": h.name, "name": f"S_{tag.upper()}"}
+    pool = Pool.objects.create(team=team, image="busybox", size=0)
+    run = Run.objects.create(harness=h, prompt="p", status="succeeded")
+    trace = Trace.objects.create(team=team, trace_id=secrets.token_hex(16), start_ns=1, end_ns=2)
+    invitation = Invitation.objects.create(
+        team=team,
+        role="member",
+        token_hash=secrets.token_hex(32),
+        expires_at=timezone.now() + timedelta(days=1),
+    )
+    token = auth_svc.token_create(user=user, team=team, name=f"t-{tag}").token
+    key = SshKey.objects.create(user=user, team=team, name=f"k-{tag}", public_key="ssh-ed25519 AAAA",
+                                fingerprint=f"SHA256:{secrets.token_hex(16)}")  # fmt: skip
+    return {"sandbox_id": sb.id, "volume": vol.name, "harness_id": h.name, "name": f"S_{tag.upper()}",
+            "pool_id": pool.id, "run_id": run.id, "trace_id": trace.trace_id, "team_id": str(team.id),
+            "invitation_id": str(invitation.id), "token_id": str(token.id), "key_id": str(key.id)}  # fmt: skip
+
+
+def footprint() -> str:
+    """What any request at an object could change, as one digest of the rows (one query)."""
+    from django.db import connection
+
+    from runtime.models import (
+        ApiToken,
+        Harness,
+        Invitation,
+        Pool,
+        Run,
+        Sandbox,
+        Secret,
+        SshKey,
+        TeamPolicy,
+        Volume,
+    )
+
+    watched = {
+        Sandbox: ("id", "status", "expires_at", "updated_at"), Harness: ("id", "deleted_at", "updated_at"),
+        Volume: ("id", "size_mb"), Secret: ("id", "updated_at"), Pool: ("id", "size"),
+        Run: ("id", "status", "cancel_requested"), ApiToken: ("id", "revoked_at"), SshKey: ("id", "team_id"),
+        Invitation: ("id", "revoked_at", "accepted_at"), Membership: ("user_id", "team_id", "role"),
+        TeamPolicy: tuple(f.column for f in TeamPolicy._meta.concrete_fields),
+    }  # fmt: skip
+    parts = []
+    for model, columns in watched.items():
+        row = "concat_ws('|', " + ", ".join(f"{c}::text" for c in columns) + ")"
+        parts.append(
+            f"(SELECT md5(coalesce(string_agg({row}, ',' ORDER BY {row}), '')) FROM {model._meta.db_table})"
+        )
+    with connection.cursor() as cur:
+        cur.execute("SELECT " + " || ".join(parts))
+        return cur.fetchone()[0]
+
+
+def streamed_operations() -> set[tuple[str, str]]:
+    """The operations that answer NDJSON streams."""
+    spec = api.get_openapi_schema(path_prefix="")
+    return {(method.upper(), path) for path, item in spec["paths"].items() for method, op in item.items()
+            if any("application/x-ndjson" in r.get("content", {}) for r in op.get("responses", {}).values())}  # fmt: skip
+
+
+def _streamed(method: str, url: str, headers: dict[str, str]) -> tuple[int, bytes]:
+    """A streamed answer read whole in the loop that made it, as a server does: Django's sync
+    test client would leave the stream's watchers to a loop that is closing."""
+    from asgiref.sync import async_to_sync
+    from django.test import AsyncClient
+
+    async def go() -> tuple[int, bytes]:
+        auth = {"Authorization": headers["HTTP_AUTHORIZATION"]} if headers else {}
+        r = await AsyncClient().generic(method, url, data="{}", content_type="application/json", headers=auth)
+        if not r.streaming:
+            return r.status_code, r.content
+        return r.status_code, b"".join([chunk async for chunk in r.streaming_content])
+
+    return async_to_sync(go)()
+
+
+def _same(text: str, *ids: str) -> str:
+    """``text`` with the ids it names masked: another team's object and a missing one compared."""
+    return re.sub("|".join(re.escape(i) for i in ids if i), "<id>", text)
 
 
 def test_another_teams_objects_are_a_404_to_everyone_and_own_ones_are_reached(callers, report):
     """For every endpoint naming a team's object (a sandbox and what is under it, a volume, a
-    harness, a secret): the caller's own team's object is reached (whatever the operation then
-    says: never a 404 for the object itself, never a 5xx), another team's is a 404 exactly as a
-    name that does not exist (never a 409 or a 2xx that would tell it exists), for every caller
-    that may call it; those that may not get their 401 or 403 first."""
+    harness, a secret, a pool, a run, a trace, the team itself, an invitation) or a user's (a
+    token, an SSH key): the caller's own is reached (whatever the operation then says: never a
+    404 for the object itself, never a 5xx); another team's is a 404 in the very words a name
+    that does not exist gets (never a 409 or a 2xx that would tell it exists), for every caller
+    that may call it; those that may not get their 401 or 403 first. A request refused, or at
+    another team's or a missing object, changes nothing."""
     matrix, elsewhere = Team.objects.get(name="matrix"), Team.objects.get(name="elsewhere")
-    missing = {
-        "sandbox_id": "sbnosuch00000000000",
-        "volume": "nosuch",
-        "harness_id": "nosuch",
-        "name": "NOSUCH",
-    }
     client = Client()
     failures = []
     cells = 0
     n = 0
+    streams = streamed_operations()
+    their_objects = {False: _objects(elsewhere, "t0", "u-outsider"), True: _objects(matrix, "t1", "u-owner")}
+    own_objects: dict[str, dict[str, str]] = {}
     for method, path in operations():
         params = re.findall(r"\{(\w+)\}", path)
         named = [p for p in params if p in OBJECT_PARAMS]
         if not named or any(p not in OBJECT_PARAMS and p not in SUB_IDS for p in params):
             continue
         for caller in callers:  # every role and token state, each at the three objects
-            n += 1  # objects of their own for each caller: an earlier DELETE leaves the next nothing
-            mine, theirs = _objects(matrix, f"m{n}"), _objects(elsewhere, f"t{n}")
-            if caller == "another team's owner":  # the matrix team's objects are another team's to it
-                mine, theirs = theirs, mine
+            outsider = caller == "another team's owner"  # the matrix team's objects are another team's to it
+            theirs = their_objects[outsider]  # never changed: each request at them is checked for that
+            if caller not in own_objects:  # new ones after a request that may change them
+                n += 1
+                team = elsewhere if outsider else matrix
+                own_objects[caller] = _objects(team, f"m{n}", USER_OF.get(caller, "u-owner"))
+            mine = own_objects[caller] if method == "GET" else own_objects.pop(caller)
+            # Site staff manage every team (its members, quotas, ceilings and rates): another
+            # team is theirs to reach, as their own is.
+            site_wide = caller == "staff member" and "team_id" in named
             answers = {}
-            for whose, ids in (("another team's", theirs), ("nonexistent", missing), ("own", mine)):
+            for whose, ids in (("another team's", theirs), ("nonexistent", MISSING), ("own", mine)):
                 url = "/api/v1" + re.sub(
                     r"\{(\w+)\}", lambda m, ids=ids: ids.get(m.group(1)) or SUB_IDS[m.group(1)], path
                 )
                 raw = callers[caller]
                 headers = {"HTTP_AUTHORIZATION": f"Bearer {raw}"} if raw else {}
-                r = client.generic(method, url, data="{}", content_type="application/json", **headers)
+                want = expected(caller, method, path)
+                reached = whose == "own" or (site_wide and whose == "another team's")
+                before = footprint() if not reached or want != "allowed" else None
+                if (method, path) in streams and whose == "own":
+                    got, content = _streamed(method, url, headers)
+                else:
+                    r = client.generic(method, url, data="{}", content_type="application/json", **headers)
+                    got, content = r.status_code, r.content
                 cells += 1
-                got, detail = r.status_code, r.content.decode(errors="replace")
-                answers[whose] = got
-                if (want := expected(caller, method, path)) != "allowed":
+                detail = content.decode(errors="replace")
+                answers[whose] = (got, _same(detail, *(ids[p] for p in named)))
+                if before is not None and footprint() != before:
+                    failures.append(
+                        f"{caller:>22} {whose:>15}  {method:6} {path}: {got}, and it changed rows"
+                    )
+                if want != "allowed":
                     ok = str(got) == want  # refused (401, 403) before any object is looked up
-                elif whose == "own":
-                    # Reached: anything the operation says but "no such sandbox/volume/harness/secret"
-                    # (a 404 for a sub-object, a process 999999, is the operation's own answer);
-                    # a 502 only for an object whose node this matrix never made.
-                    own_missing = got == 404 and re.search(r"no (sandbox|volume|harness|secret)\b", detail)
+                elif reached:
+                    # Reached: anything the operation says but "no such <object>" (a 404 for a
+                    # sub-object, a process 999999, is the operation's own answer); a 502 only
+                    # for an object whose node this matrix never made.
+                    own_missing = got == 404 and re.search(
+                        r"no (sandbox|volume|harness|secret|pool|run|trace|team|invitation|token|key|ssh key)\b",
+                        detail, re.I)  # fmt: skip
                     ok = (
                         not own_missing
                         and got not in (401, 403)
@@ -337,15 +445,17 @@ def test_another_teams_objects_are_a_404_to_everyone_and_own_ones_are_reached(ca
                     # (or the 422 of a body checked before any lookup), never a 2xx or a 409.
                     ok = got in (404, 422)
                 if not ok:
-                    failures.append(f"{caller:>22} {whose:>15}  {method:6} {path}: {got} {r.content[:140]!r}")
-            theirs_got, missing_got = answers["another team's"], answers["nonexistent"]
-            if theirs_got != missing_got:
+                    failures.append(f"{caller:>22} {whose:>15}  {method:6} {path}: {got} {content[:140]!r}")
+            if not site_wide and (theirs_got := answers["another team's"]) != (
+                missing_got := answers["nonexistent"]
+            ):
                 failures.append(f"{caller:>22} {method:6} {path}: another team's object answers {theirs_got}, "
                                 f"a missing one {missing_got}")  # fmt: skip
     assert cells > 1000, cells
     assert not failures, f"{len(failures)} of {cells} cells:\n" + "\n".join(failures)
     report.held(
         "authorization",
-        "endpoint x caller (every role and token state) x object (own team's, another team's, nonexistent)",
+        "endpoint x caller (every role and token state) x object (own team's, another team's, nonexistent): "
+        "sandboxes, volumes, harnesses, secrets, pools, runs, traces, teams, invitations, tokens, SSH keys",
         cells=cells,
     )

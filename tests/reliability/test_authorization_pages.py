@@ -23,6 +23,7 @@ from django.urls import URLPattern, reverse
 from dashboard import urls
 from dashboard.pages.teams import SESSION_KEY
 from runtime.models import (
+    ApiToken,
     Exec,
     Harness,
     ImageJob,
@@ -307,6 +308,7 @@ def snapshot() -> tuple[Any, ...]:
         sorted(SshKey.objects.values_list("id", flat=True)),
         sorted(Membership.objects.values_list("user_id", "team_id", "role")),
         sorted(Invitation.objects.values_list("id", "accepted_at", "revoked_at")),
+        sorted(ApiToken.objects.values_list("id", "revoked_at")),
         NodeJoinToken.objects.count(), ImageJob.objects.count(), Terminal.objects.count(), Exec.objects.count(),
     )  # fmt: skip
 
@@ -442,3 +444,49 @@ def test_a_post_without_the_csrf_token_is_refused_and_changes_nothing(world, rep
     assert not failures, "\n".join(failures)
     report.held("authorization", "session POST without a CSRF token (11 actions and sign-out) refused",
                 cells=len(CSRF_CELLS) + 1)  # fmt: skip
+
+
+# -- the Team page's actions: each refused below the role it needs, changing nothing ------------
+
+# (caller, action, form): what the Team page posts, each one its caller may not do. The actions
+# that come before the page's own admin check are each checked by their service.
+TEAM_ACTIONS = [
+    (role, action, data)
+    for role in ("viewer", "member")
+    for action, data in (
+        ("member_add", {"username": "u-outsider", "role": "member"}),
+        ("member_role", {"username": "u-admin", "role": "viewer"}),
+        ("member_remove", {"username": "u-admin"}),
+        ("invite", {"role": "member", "days": "1"}),
+        ("token_create", {"name": "up", "role": "owner"}),  # a token above one's own role
+        ("token_revoke", {"token": "{owner_token}"}),  # another user's token
+    )
+] + [("admin", "member_role", {"username": "u-owner", "role": "viewer"})]  # an admin over an owner
+
+
+def test_the_team_pages_actions_are_refused_below_their_role_and_change_nothing(world, report):
+    owner = world.users["u-owner"]
+    owner_token = auth_svc.token_create(user=owner, team=world.teams["matrix"], name="owners").token
+    failures = []
+    for name, action, data in TEAM_ACTIONS:
+        caller = CALLERS[name]
+        assert caller is not None
+        client = Client()
+        client.force_login(world.users[caller.user])
+        before = snapshot()
+        form = {"action": action, **{k: v.format(owner_token=owner_token.id) for k, v in data.items()}}
+        r = client.post(reverse("team"), form, follow=True)
+        if snapshot() != before:
+            failures.append(f"{name} {action}: changed something ({r.status_code})")
+        if r.status_code not in (200, 403, 404) or (r.status_code == 200 and b"class=\"error" not in r.content
+                                               and b"role=\"alert\"" not in r.content):  # fmt: skip
+            failures.append(f"{name} {action}: {r.status_code}, and no refusal on the page")
+    # A positive control: an admin's role change goes through.
+    client = Client()
+    client.force_login(world.users["u-admin"])
+    client.post(reverse("team"), {"action": "member_role", "username": "u-member", "role": "viewer"})
+    if Membership.objects.get(user__username="u-member", team=world.teams["matrix"]).role != "viewer":
+        failures.append("an admin's role change did not go through: the cells above prove nothing")
+    assert not failures, "\n".join(failures)
+    report.held("authorization", "the Team page's actions below their role (viewer, member, an admin over "
+                "an owner): refused, nothing changed", cells=len(TEAM_ACTIONS))  # fmt: skip

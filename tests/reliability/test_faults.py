@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import signal
 import subprocess
 import threading
@@ -37,6 +38,9 @@ def stack(tmp_path_factory) -> Iterator[Stack]:
         s.start_redis()
         s.bootstrap()
         s.start()
+        with s.api() as api:
+            r = api.post("/volumes", json={"name": WITNESS, "size_mb": 16})
+            assert r.status_code == 201, r.text
         yield s
     finally:
         s.close()
@@ -53,9 +57,6 @@ def _clean(stack, request) -> Iterator[None]:
     deleted and a new one reads the volume back: no line written before a fault is lost."""
     line = f"before {request.node.name}"
     with stack.api() as api:
-        if not WRITTEN:
-            r = api.post("/volumes", json={"name": WITNESS, "size_mb": 16})
-            assert r.status_code == 201, r.text
         holder = create(api, volumes=[{"volume": WITNESS, "mount_path": "/w"}])
         r = exec_(api, holder["id"], f"echo '{line}' >> /w/log && sync")
         assert r.status_code == 200 and r.json()["exit_code"] == 0, r.text
@@ -72,7 +73,9 @@ def _clean(stack, request) -> Iterator[None]:
                             "a sandbox with the witness volume after the fault")  # fmt: skip
         r = exec_(api, reader["id"], "cat /w/log")
         assert r.status_code == 200, r.text
-        assert r.json()["stdout"].splitlines() == WRITTEN, f"the witness volume after {line}: {r.text}"
+        kept, written = r.json()["stdout"].splitlines(), list(WRITTEN)
+        WRITTEN[:] = kept  # one loss fails its own test, not every one after it
+        assert kept == written, f"the witness volume after {line}: {r.text}"
         assert api.delete(f"/sandboxes/{reader['id']}").status_code in (202, 204)
         eventually(lambda: not api.get("/sandboxes", params={"limit": 1000}).json(), 60, "the reader deleted")
 
@@ -346,6 +349,8 @@ WORKER_FAULTS = {
 def test_the_worker_killed_during_an_operation(stack, operation, report):
     settled, proof = WORKER_FAULTS[operation]
     with stack.api() as api:
+        worker = stack.child("worker")
+        assert worker is not None
         if operation == "provision":
             r = api.post("/sandboxes", json={"image": "busybox", "memory_mb": 128, "wait": False})
             assert r.status_code in (201, 202), r.text
@@ -362,12 +367,12 @@ def test_the_worker_killed_during_an_operation(stack, operation, report):
             else:
                 r = api.delete(f"/sandboxes/{sid}")
             assert r.status_code < 300, r.text
-        old = stack.child("worker")
         # Stopped the moment the request has its answer, so the operation is still in the
         # worker's hands (queued, taken or half done), then killed: never a fault after the fact.
-        stack.kill("worker", sig=signal.SIGSTOP)
+        os.killpg(worker, signal.SIGSTOP)
         killed_in = api.get(f"/sandboxes/{sid}").json()["status"]
-        stack.kill("worker")
+        os.killpg(worker, signal.SIGKILL)
+        old = worker
         assert killed_in in TRANSITIONAL, f"{operation} was over ({killed_in}) before the worker was killed"
         stack.restarted("worker", old)  # by hangar up
         started = time.monotonic()
