@@ -5,6 +5,7 @@ against the table below: the table is the specification, written here and not re
 
 from __future__ import annotations
 
+import json
 import re
 from datetime import timedelta
 
@@ -459,3 +460,87 @@ def test_another_teams_objects_are_a_404_to_everyone_and_own_ones_are_reached(ca
         "sandboxes, volumes, harnesses, secrets, pools, runs, traces, teams, invitations, tokens, SSH keys",
         cells=cells,
     )
+
+
+# -- members: who may remove whom, and make whom what ------------------------------------------
+
+# (acting role, target's role) -> what removing the target answers; leaving oneself is anyone's.
+REMOVE = {
+    **{(actor, target): "403" for actor in ("viewer", "member") for target in ROLES},
+    **{("admin", target): "204" for target in ("viewer", "member", "admin")},
+    ("admin", "owner"): "403",  # only an owner removes an owner
+    **{("owner", target): "204" for target in ROLES},
+}
+# (acting role, target's role, new role) -> the answer: admins set roles below owner on
+# non-owners; only an owner makes or unmakes an owner.
+SET_ROLE = {
+    **{(actor, target, new): "403" for actor in ("viewer", "member") for target in ROLES for new in ROLES},
+    **{
+        ("admin", target, new): "200"
+        for target in ("viewer", "member", "admin")
+        for new in ROLES
+        if new != "owner"
+    },
+    **{("admin", target, "owner"): "403" for target in ROLES},
+    **{("admin", "owner", new): "403" for new in ROLES},
+    **{("owner", target, new): "200" for target in ROLES for new in ROLES},
+}
+
+
+def test_who_may_remove_whom_and_change_whose_role(transactional_db, report):
+    """Every acting role × target's role × action on a team's members, against the tables
+    above; a refusal changes nothing; anyone may leave (but the last owner, a 409)."""
+    from runtime.models import Membership
+
+    User = get_user_model()
+    failures, n = [], 0
+
+    def team_with(actor_role: str, target_role: str) -> tuple[Team, str, str]:
+        nonlocal n
+        n += 1
+        team = Team.objects.create(name=f"members-{n}")
+        users = {}
+        for who, role in (("actor", actor_role), ("target", target_role), ("spare owner", "owner")):
+            users[who] = User.objects.create(username=f"m{n}-{who.replace(' ', '-')}")  # no password to hash
+            Membership.objects.create(user=users[who], team=team, role=role)
+        raw = auth_svc.token_create(user=users["actor"], team=team).raw
+        return team, raw, users["target"].username
+
+    def call(method: str, url: str, raw: str, body: dict) -> int:
+        r = Client().generic(method, url, data=json.dumps(body), content_type="application/json",
+                             HTTP_AUTHORIZATION=f"Bearer {raw}")  # fmt: skip
+        return r.status_code
+
+    for (actor, target), want in REMOVE.items():
+        team, raw, username = team_with(actor, target)
+        before = sorted(Membership.objects.filter(team=team).values_list("user__username", "role"))
+        got = str(call("DELETE", f"/api/v1/teams/{team.id}/members/{username}", raw, {}))
+        after = sorted(Membership.objects.filter(team=team).values_list("user__username", "role"))
+        if got != want or (want != "204") != (before == after):
+            failures.append(f"{actor} removing a {target}: {got} (want {want}); members {before} -> {after}")
+    for (actor, target, new), want in SET_ROLE.items():
+        team, raw, username = team_with(actor, target)
+        got = str(call("PATCH", f"/api/v1/teams/{team.id}/members/{username}", raw, {"role": new}))
+        role = Membership.objects.get(team=team, user__username=username).role
+        if got != want or role != (new if want == "200" else target):
+            failures.append(f"{actor} making a {target} {new}: {got} (want {want}); now {role}")
+    for role in ROLES:  # leaving
+        team, raw, _ = team_with(role, "viewer")
+        actor = Membership.objects.get(team=team, role=role, user__username__endswith="-actor").user.username
+        got = call("DELETE", f"/api/v1/teams/{team.id}/members/{actor}", raw, {})
+        if got != 204 or Membership.objects.filter(team=team, user__username=actor).exists():
+            failures.append(f"a {role} leaving: {got}")
+    team = Team.objects.create(name="last-owner")
+    last = User.objects.create(username="last-owner")
+    Membership.objects.create(user=last, team=team, role="owner")
+    got = call(
+        "DELETE",
+        f"/api/v1/teams/{team.id}/members/last-owner",
+        auth_svc.token_create(user=last, team=team).raw,
+        {},
+    )
+    if got != 409:
+        failures.append(f"the last owner leaving: {got} (want 409)")
+    assert not failures, "\n".join(failures)
+    report.held("authorization", "members: acting role x target's role x remove / set role, leaving, the last owner",
+                cells=len(REMOVE) + len(SET_ROLE) + len(ROLES) + 1)  # fmt: skip
