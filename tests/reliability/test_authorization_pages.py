@@ -372,14 +372,17 @@ def test_the_pages_authorization_matrix(world, report):
                         world.refresh()  # an allowed action may have changed its object
                     elif snapshot() != before:
                         failures.append(f"{where}: refused ({r.status_code}) but changed something")
-                if (
-                    caller is not None
-                    and r.status_code == 200
-                    and not (caller.staff and page.staff_every_team)
+                # No answer (a page, a refusal, an error page) names another team's objects,
+                # but for what the caller sent itself (in the path or the form).
+                if caller is not None and not (
+                    caller.staff and page.staff_every_team and r.status_code == 200
                 ):
                     text = body(r)
-                    if shown := [v for v in world.foreign(caller) if v in text]:
-                        failures.append(f"{where}: shows another team's {shown}")
+                    sent = " ".join(
+                        [path, *(v.format(**values) for v in page.data.values() if isinstance(v, str))]
+                    )
+                    if shown := [v for v in world.foreign(caller) if v in text and v not in sent]:
+                        failures.append(f"{where}: {r.status_code} shows another team's {shown}")
             if "other" in answers and expected(page, caller, "other")[0] != "ok":
                 if answers["other"] != answers["missing"]:
                     failures.append(f"{name:>20} {method:4} {route}: another team's object answers "
