@@ -379,8 +379,8 @@ def test_another_teams_objects_are_a_404_to_everyone_and_own_ones_are_reached(ca
     token, an SSH key): the caller's own is reached (whatever the operation then says: never a
     404 for the object itself, never a 5xx); another team's is a 404 in the very words a name
     that does not exist gets (never a 409 or a 2xx that would tell it exists), for every caller
-    that may call it; those that may not get their 401 or 403 first. A request refused, or at
-    another team's or a missing object, changes nothing."""
+    that may call it; those that may not get their 401 or 403 first (before any view runs). A
+    request at another team's or a missing object changes nothing."""
     matrix, elsewhere = Team.objects.get(name="matrix"), Team.objects.get(name="elsewhere")
     client = Client()
     failures = []
