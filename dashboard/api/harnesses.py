@@ -419,8 +419,8 @@ class SshKeyOut(Schema):
 
 def _key_out(k: Any) -> SshKeyOut:
     return SshKeyOut(id=k.id, name=k.name, team=k.team.name if k.team_id else None, role=k.role or None,
-                     public_key=k.public_key,
-                     fingerprint=k.fingerprint, created_at=k.created_at, last_used_at=k.last_used_at)  # fmt: skip
+                     public_key=k.public_key, fingerprint=k.fingerprint, created_at=k.created_at,
+                     last_used_at=k.last_used_at)  # fmt: skip
 
 
 @keys_router.get("", response=list[SshKeyOut])

@@ -372,9 +372,8 @@ def test_the_worker_killed_during_an_operation(stack, operation, report):
         os.killpg(worker, signal.SIGSTOP)
         killed_in = api.get(f"/sandboxes/{sid}").json()["status"]
         os.killpg(worker, signal.SIGKILL)
-        old = worker
         assert killed_in in TRANSITIONAL, f"{operation} was over ({killed_in}) before the worker was killed"
-        stack.restarted("worker", old)  # by hangar up
+        stack.restarted("worker", worker)  # by hangar up
         started = time.monotonic()
         final = eventually(
             lambda: (s := api.get(f"/sandboxes/{sid}").json()["status"]) not in TRANSITIONAL and s,
