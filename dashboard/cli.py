@@ -137,6 +137,10 @@ def _version() -> str:
 def _migrate() -> None:
     from django.core.management import call_command
 
+    from runtime.services.node_roles import on_node_role
+
+    if on_node_role():
+        return  # a joined node's own role may not change the schema: the control plane migrates
     call_command("migrate", interactive=False, verbosity=0)
 
 
@@ -226,6 +230,10 @@ def _become_subreaper() -> None:
 
 def cmd_node(args: argparse.Namespace) -> int:
     """Join this machine as a node: register it and consume its own queue."""
+    if not getattr(args, "joined", False):
+        from dashboard.node_cli import load_joined_settings
+
+        load_joined_settings()  # a machine that joined before: the settings its join was given
     settings = _setup_django()
     _migrate() if args.migrate else None
     from runtime.models import Node

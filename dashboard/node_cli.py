@@ -11,6 +11,7 @@ import socket
 import sys
 import urllib.error
 import urllib.request
+from pathlib import Path
 from typing import Any
 
 
@@ -138,6 +139,36 @@ def join_request(
         raise SystemExit(f"hangar: could not reach the control plane at {url}: {exc}") from None
 
 
+JOINED_FILE = "node-join.json"
+
+
+def joined_settings_path() -> Path:
+    """Where ``join`` keeps what the control plane handed it (this machine's data dir)."""
+    return Path(os.environ.get("HANGAR_DATA_DIR") or "~/.local/share/hangar").expanduser() / JOINED_FILE
+
+
+def keep_joined_settings(env: dict[str, str]) -> None:
+    """The database (the node's own role), the broker and the node's name, readable by root
+    only, so that a bare ``hangar node`` runs this machine as the joined node again."""
+    path = joined_settings_path()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        json.dump(env, f)
+    os.replace(tmp, path)
+
+
+def load_joined_settings() -> None:
+    """For a bare ``hangar node``: what the last join handed this machine, under whatever the
+    environment sets itself (a ``DATABASE_URL`` there wins over the kept one)."""
+    path = joined_settings_path()
+    if "DATABASE_URL" in os.environ or not path.exists():
+        return
+    for key, value in json.loads(path.read_text()).items():
+        os.environ.setdefault(key, value)
+
+
 def run_node(args: argparse.Namespace, env: dict[str, str]) -> int:
     """Run this machine as the node the join made, in the foreground (what a bare ``hangar
     node`` does), with the control plane's settings."""
@@ -165,6 +196,7 @@ def cmd_join(args: argparse.Namespace) -> int:
     print(f"hangar: joined {args.url} as node {answer['name']}"
           + (f" (labels {','.join(f'{k}={v}' for k, v in answer['labels'].items())})" if answer["labels"] else ""),
           flush=True)  # fmt: skip
+    keep_joined_settings(env)
     args.joined = True  # builds the default image (busybox) if this machine holds none
     return run_node(args, env)
 

@@ -315,6 +315,13 @@ if HANGAR_PLACEMENT not in ("spread", "pack"):
     raise ImproperlyConfigured(f"HANGAR_PLACEMENT must be spread or pack, got {HANGAR_PLACEMENT!r}")
 # A node with less free space than this where its sandboxes' disks are gets no new sandboxes.
 HANGAR_NODE_MIN_FREE_DISK_MB = env_int("HANGAR_NODE_MIN_FREE_DISK_MB", 2048, minimum=0)
+# What a joining node is handed for the database (runtime/services/node_roles.py): a Postgres
+# role of its own with only what a node needs (auto: when this control plane's user may create
+# roles, else its own credentials, with a warning; on: refuse the join without it; off: always
+# the control plane's own credentials).
+HANGAR_NODE_DB_ROLES = env_str("HANGAR_NODE_DB_ROLES", "auto")
+if HANGAR_NODE_DB_ROLES not in ("auto", "on", "off"):
+    raise ImproperlyConfigured(f"HANGAR_NODE_DB_ROLES must be auto, on or off, got {HANGAR_NODE_DB_ROLES!r}")
 # A node silent this long is lost (docs/fleet.md): its death is seen within this many seconds.
 HANGAR_NODE_OFFLINE_AFTER_S = env_int("HANGAR_NODE_OFFLINE_AFTER_S", 30, minimum=5)
 HANGAR_SANDBOX_MIN_MEMORY_MB = env_int("HANGAR_SANDBOX_MIN_MEMORY_MB", 128, minimum=16)

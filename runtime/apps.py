@@ -8,12 +8,12 @@ class RuntimeConfig(AppConfig):
 
     def ready(self) -> None:
         from django.conf import settings
-        from django.db.models.signals import m2m_changed, post_save
+        from django.db.models.signals import m2m_changed, post_migrate, post_save
 
         from . import events
         from .launchers.registry import register_all
         from .models import Image, Node
-        from .services import harnesses, pools, previews, runs, usage
+        from .services import harnesses, node_roles, pools, previews, runs, usage
         from .services.auth import user_changed
         from .services.fleet_view import VIEW
 
@@ -30,3 +30,5 @@ class RuntimeConfig(AppConfig):
         # A node saved or an image's holders changed in this process: its placements see it at once.
         post_save.connect(VIEW.changed, sender=Node, dispatch_uid="hangar-fleet-view-node")
         m2m_changed.connect(VIEW.changed, sender=Image.nodes.through, dispatch_uid="hangar-fleet-view-images")
+        # Tables a migration adds to what nodes may touch: their roles get them (docs/fleet.md).
+        post_migrate.connect(node_roles.node_roles_regrant, sender=self, dispatch_uid="hangar-node-roles")

@@ -5,6 +5,7 @@ or revoked token refused at once, non-zero); and a SIGKILLed node's children gon
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import subprocess
@@ -73,7 +74,7 @@ def _join(server: str, token: str, name: str) -> subprocess.CompletedProcess[str
 
 
 def test_join_against_the_real_server_single_use_expiry_revocation(
-    transactional_db, server, capsys, monkeypatch
+    transactional_db, server, capsys, monkeypatch, tmp_path
 ):
     ran = {}
 
@@ -82,6 +83,7 @@ def test_join_against_the_real_server_single_use_expiry_revocation(
         return 0
 
     monkeypatch.setattr(node_cli, "run_node", run_node)
+    monkeypatch.setenv("HANGAR_DATA_DIR", str(tmp_path))  # where join keeps what it was given
     raw = _token(capsys)
     assert (
         cli_main(
@@ -96,6 +98,18 @@ def test_join_against_the_real_server_single_use_expiry_revocation(
         "postgres://"
     )
     assert ran["env"]["REDIS_URL"].startswith("redis://")
+    # Kept for a bare `hangar node` later, readable by root alone: the node's own database role.
+    kept = tmp_path / "node-join.json"
+    assert kept.stat().st_mode & 0o777 == 0o600 and json.loads(kept.read_text()) == ran["env"]
+    assert "hangar_node_" in ran["env"]["DATABASE_URL"]
+    for key in ran["env"]:  # as on a machine whose environment sets none of them (put back after)
+        monkeypatch.setenv(key, "")
+        monkeypatch.delenv(key)
+    node_cli.load_joined_settings()
+    assert {key: os.environ[key] for key in ran["env"]} == ran["env"]
+    monkeypatch.setenv("DATABASE_URL", "postgres://elsewhere/db")  # the environment's own wins
+    node_cli.load_joined_settings()
+    assert os.environ["DATABASE_URL"] == "postgres://elsewhere/db"
     # Used: the real CLI exits non-zero at once, saying why.
     started = time.monotonic()
     used = _join(server, raw, "joined-2")

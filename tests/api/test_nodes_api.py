@@ -315,7 +315,8 @@ def test_join_tokens_through_the_api_single_use_expiry_revocation(fleet_team, se
     status, body = call("POST", "/nodes/join", None, {"token": made["token"], "name": "api-joined",
                                                        "labels": {"zone": "b"}})  # fmt: skip
     assert status == 200, body
-    assert body["name"] == "api-joined" and body["database_url"] == settings.DATABASE_URL
+    # Its own database role (runtime/services/node_roles.py; tests/runtime/test_node_roles.py).
+    assert body["name"] == "api-joined" and body["database_url"].startswith("postgres://hangar_node_")
     assert Node.objects.get(name="api-joined").labels == {"zone": "b"}
     status, body = call("POST", "/nodes/join", None, {"token": made["token"], "name": "api-joined-2"})
     assert status == 401 and "has been used (1 of 1 joins)" in body["detail"]

@@ -289,11 +289,11 @@ class JoinedNode:
         )  # fmt: skip
 
     def run_again(self) -> None:
-        """A bare `hangar node` for the node that joined before (with the settings join gave it)."""
-        settings = {"DATABASE_URL": self.cp.env["DATABASE_URL"], "REDIS_URL": self.cp.env["REDIS_URL"]}
+        """A bare `hangar node` for the node that joined before: it runs on what the join kept in
+        its data dir (its own database role, the broker, its name), given nothing else."""
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "dashboard.cli", "node", "--concurrency", "8"],
-            cwd=ROOT, env={**self.env, **settings, "HANGAR_NODE_NAME": self.name}, stdout=self._log(),
+            cwd=ROOT, env=self.env, stdout=self._log(),
             stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=die_with_parent,
         )  # fmt: skip
 
