@@ -50,6 +50,19 @@ def _flush_retrying_deadlocks() -> None:
 
 
 _flush_retrying_deadlocks()
+
+
+def pytest_configure(config) -> None:
+    """The run across workers (`pytest -n`) and the reliability suites' budgets and report: plugins,
+    so that they also run in the controller of a `pytest -n` run, which loads no other conftest."""
+    from . import parallel
+    from .reliability import budgets
+
+    for plugin in (parallel, budgets):
+        if not config.pluginmanager.is_registered(plugin):
+            config.pluginmanager.register(plugin, f"hangar-{plugin.__name__}")
+
+
 logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per request drowns the failures
 ARTIFACTS = Path(os.environ.get("HANGAR_TEST_ARTIFACTS", ROOT / "test-artifacts"))
 

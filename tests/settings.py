@@ -1,11 +1,10 @@
 """Test settings: real Postgres and Redis on 127.0.0.1, a private data dir."""
 
 import os
-import tempfile
 
-os.environ.setdefault("DATABASE_URL", "postgres://postgres@127.0.0.1:5432/hangar")
-os.environ.setdefault("REDIS_URL", "redis://127.0.0.1:6379/7")
-os.environ.setdefault("HANGAR_DATA_DIR", os.path.join(tempfile.gettempdir(), "hangar-test-data"))
+# The database, Redis and data dir (under `pytest -n`, each worker's own).
+from tests import worker_env  # noqa: F401
+
 os.environ.setdefault("HANGAR_NODE_NAME", "test-node")
 # Tests register nodes and place sandboxes on them from several processes at once: every
 # placement reads the fleet afresh (tests/runtime/test_fleet_view.py tests the view's age).

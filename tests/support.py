@@ -16,6 +16,8 @@ import pytest
 
 from runtime.launchers.gvisor.runsc import default_runsc
 
+from . import worker_env
+
 # A node row's launchers for a node that runs gVisor with everything it can do.
 GVISOR = {
     "gvisor": {
@@ -74,11 +76,12 @@ def die_with_parent() -> None:
 
 # The "internet" of the network tests: a namespace made by the tests (the ``world`` fixture),
 # on the benchmarking range, with a web server on each of these two addresses, port 8080. Its
-# names and /24 are the run's own (from its data dir), so two runs on one machine never meet.
-_RUN = hashlib.sha1(os.environ.get("HANGAR_DATA_DIR", "hangar-test-data").encode()).hexdigest()
+# names and /24 are the run's own (from its data dir), so two runs on one machine never meet,
+# and the workers of one `pytest -n` run differ in the /24's last two bits.
+_RUN = hashlib.sha1(os.environ["HANGAR_DATA_DIR"].encode()).hexdigest()
 WORLD_NS = f"hgtest-world-{_RUN[:6]}"
 WORLD_IFACE = f"wld{_RUN[:6]}"  # never a prefix any node matches (h<hex>, hg)
-_WORLD_NET = f"198.18.{int(_RUN[6:10], 16) % 256}"
+_WORLD_NET = f"198.18.{int(_RUN[6:10], 16) % 64 * 4 + worker_env.INDEX % 4}"
 WORLD_GW, WORLD_A, WORLD_B = f"{_WORLD_NET}.1", f"{_WORLD_NET}.2", f"{_WORLD_NET}.3"
 
 

@@ -402,6 +402,7 @@ def test_stats_report_memory_and_cpu(launcher, sandbox):
     assert stats.memory_limit_bytes == 256 * 1024 * 1024
 
 
+@pytest.mark.alone  # reads the host's free disk space: no other worker's test may write meanwhile
 def test_a_write_past_the_sandboxs_disk_fails_inside_it_and_the_host_is_not_filled(
     launcher, launcher_state, make_sandbox
 ):

@@ -389,6 +389,7 @@ BOMBS = {
 
 
 @pytest.mark.slow
+@pytest.mark.alone  # the host's free disk space and a neighbour's latency: nothing else runs meanwhile
 @pytest.mark.parametrize("bomb", sorted(BOMBS))
 def test_a_bomb_stays_inside_and_the_neighbour_keeps_answering(launcher, make, bomb, report):
     script, spec = BOMBS[bomb]
