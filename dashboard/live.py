@@ -23,6 +23,7 @@ import redis.asyncio as aioredis
 from django.conf import settings
 
 from runtime.aio import blocking
+from runtime.notify import pubsub_prefix
 
 log = logging.getLogger(__name__)
 
@@ -62,12 +63,9 @@ class Hub:
             client = aioredis.Redis.from_url(settings.REDIS_URL)
             try:
                 pubsub = client.pubsub(ignore_subscribe_messages=True)
+                prefix = pubsub_prefix()
                 await pubsub.psubscribe(
-                    "hangar:team:*",
-                    "hangar:sandbox:*",
-                    "hangar:images",
-                    "hangar:image-job:*",
-                    "hangar:trace:*",
+                    *(prefix + p for p in ("team:*", "sandbox:*", "images", "image-job:*", "trace:*"))
                 )
                 ready.set()
                 async for message in pubsub.listen():

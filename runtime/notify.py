@@ -9,6 +9,7 @@ import threading
 import time
 from collections.abc import Iterable
 from functools import cache
+from urllib.parse import parse_qs, urlsplit
 
 import redis
 from django.conf import settings
@@ -22,12 +23,26 @@ def redis_client() -> redis.Redis:
     return redis.Redis.from_url(settings.REDIS_URL, socket_timeout=10, socket_connect_timeout=5)
 
 
+@cache
+def _prefix_for(url: str) -> str:
+    parts = urlsplit(url)
+    db = parse_qs(parts.query).get("db", [""])[0] or (parts.path.strip("/") if parts.scheme != "unix" else "")
+    return f"hangar:db{db}:" if db.isdigit() and int(db) else "hangar:"
+
+
+def pubsub_prefix() -> str:
+    """Every channel Hangar publishes on starts with this. Redis's pub/sub ignores the database
+    number, so two Hangars that share one Redis server in databases of their own (or the test
+    suite's workers) would hear each other's team and job ids: database N's channels carry it."""
+    return _prefix_for(settings.REDIS_URL)
+
+
 def _channel(sandbox_id: str) -> str:
-    return f"hangar:sandbox:{sandbox_id}"
+    return f"{pubsub_prefix()}sandbox:{sandbox_id}"
 
 
 def team_channel(team_id: int) -> str:
-    return f"hangar:team:{team_id}"
+    return f"{pubsub_prefix()}team:{team_id}"
 
 
 def sandbox_channel(sandbox_id: str) -> str:
@@ -48,11 +63,12 @@ def sandbox_changed(sandbox_id: str, status: str, team_id: int | None = None) ->
         log.warning("could not publish status of %s", sandbox_id, exc_info=True)
 
 
-IMAGES_CHANNEL = "hangar:images"
+def images_channel() -> str:
+    return f"{pubsub_prefix()}images"
 
 
 def image_job_channel(job_id: int) -> str:
-    return f"hangar:image-job:{job_id}"
+    return f"{pubsub_prefix()}image-job:{job_id}"
 
 
 def image_job_changed(job_id: int) -> None:
@@ -60,7 +76,7 @@ def image_job_changed(job_id: int) -> None:
     try:
         pipe = redis_client().pipeline(transaction=False)
         pipe.publish(image_job_channel(job_id), "changed")
-        pipe.publish(IMAGES_CHANNEL, str(job_id))
+        pipe.publish(images_channel(), str(job_id))
         pipe.execute()
     except redis.RedisError:
         log.warning("could not publish image job %s", job_id, exc_info=True)

@@ -25,10 +25,10 @@ from tests import worker_env
 # `--junitxml` run), the longest first: they are handed out first, so that no worker is left
 # with a long one at the end while the others idle. The rest follow in collection order.
 LONGEST_FIRST = [
-    "tests/reliability/test_bad_input.py",  # schemathesis: its --max-time 400
-    "tests/reliability/test_escape.py",
-    "tests/launchers/test_conformance.py",
+    "tests/reliability/test_escape.py",  # its `alone` bombs early, beside the next one's short tests
+    "tests/launchers/test_conformance.py",  # one `alone` test
     "tests/reliability/test_load.py",
+    "tests/reliability/test_bad_input.py",  # schemathesis: its --max-time 400
     "tests/api/test_harness_agents.py",
     "tests/reliability/test_fleet.py",
     "tests/reliability/test_neighbours.py",
@@ -84,17 +84,20 @@ def pytest_collection_modifyitems(config, items) -> None:
 def _lock(path: Path, how: int, what: str) -> int:
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
     deadline = time.monotonic() + TURN_WAIT_S
-    while True:
-        try:
-            fcntl.flock(fd, how | fcntl.LOCK_NB)
-            return fd
-        except BlockingIOError:
-            if time.monotonic() > deadline:
-                os.close(fd)
-                raise RuntimeError(
-                    f"waited {TURN_WAIT_S:.0f} s for {what} ({path}): another worker held it"
-                ) from None
-            time.sleep(0.05)
+    try:
+        while True:
+            try:
+                fcntl.flock(fd, how | fcntl.LOCK_NB)
+                return fd
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(
+                        f"waited {TURN_WAIT_S:.0f} s for {what} ({path}): another worker held it"
+                    ) from None
+                time.sleep(0.05)
+    except BaseException:
+        os.close(fd)
+        raise
 
 
 @contextlib.contextmanager
@@ -122,8 +125,19 @@ def host_turn(alone: bool) -> Iterator[None]:
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_protocol(item, nextitem):
     """The whole of a test's turn: its setup (module and session fixtures included, which the
-    first test of a module sets up), call and teardown."""
-    if not worker_env.WORKER:
+    first test of a module sets up), call and teardown. A test marked ``beside_alone`` takes no
+    turn: it neither writes much to the host's disk nor measures the host (schemathesis against
+    the API for its fixed 400 s), so an ``alone`` test need not wait for it to end."""
+    if not worker_env.WORKER or item.get_closest_marker("beside_alone") is not None:
         return (yield)
-    with host_turn(alone=item.get_closest_marker("alone") is not None):
+    try:
+        turn = host_turn(alone=item.get_closest_marker("alone") is not None)
+        turn.__enter__()
+    except RuntimeError as exc:  # no turn in TURN_WAIT_S: this test fails, the run goes on
+        why = str(exc)
+        item.runtest = lambda: pytest.fail(why, pytrace=False)
         return (yield)
+    try:
+        return (yield)
+    finally:
+        turn.__exit__(None, None, None)

@@ -21,13 +21,15 @@ os.environ.setdefault(
     "HANGAR_LAUNCHER_CLASSES", "gvisor-reduced=tests.launchers.reduced:ReducedGVisorLauncher"
 )
 
-# hangar.internal's port, one per test session (several sessions may share a machine).
+# hangar.internal's port, one per test session (several sessions may share a machine) and per
+# worker of a `pytest -n` run (tests/worker_env.py drops the one its controller picked).
 if "HANGAR_SANDBOX_GATEWAY_PORT" not in os.environ:
     import socket
 
     with socket.socket() as _s:
         _s.bind(("127.0.0.1", 0))
         os.environ["HANGAR_SANDBOX_GATEWAY_PORT"] = str(_s.getsockname()[1])
+        os.environ["HANGAR_TEST_PICKED_GATEWAY_PORT"] = os.environ["HANGAR_SANDBOX_GATEWAY_PORT"]
 
 from dashboard.settings import *  # noqa: E402,F403
 

@@ -626,9 +626,9 @@ class ImagesLiveConsumer(_SessionLivePage):
     async def connect(self) -> None:
         if not await self._accept_session():
             return
-        from runtime.notify import IMAGES_CHANNEL
+        from runtime.notify import images_channel
 
-        await self._subscribe(IMAGES_CHANNEL)
+        await self._subscribe(images_channel())
 
     def render(self, items: set[str]) -> str:
         from ..pages.views import images_context

@@ -25,7 +25,7 @@ from typing import Any
 from urllib.parse import quote, urlsplit, urlunsplit
 
 from django.conf import settings
-from django.db import connection
+from django.db import DatabaseError, connection, transaction
 from psycopg import sql
 
 log = logging.getLogger(__name__)
@@ -45,7 +45,7 @@ NODE_GRANTS: dict[str, str] = {
     "runtime_sandboxvolume": "SELECT",
     "runtime_exec": "SELECT, UPDATE",  # a process's pid and end (the bridge)
     "runtime_terminal": "SELECT, UPDATE",
-    "runtime_run": "SELECT",
+    "runtime_run": "SELECT, UPDATE",  # a run ended by the bridge when the broker is down
     "runtime_harness": "SELECT, UPDATE",  # a harness's setup
     "runtime_harnesslogentry": "SELECT, INSERT, DELETE",
     "runtime_secret": "SELECT",  # ciphertext: a sandbox's env, and masking spans
@@ -86,14 +86,51 @@ def on_node_role() -> bool:
     return postgres() and connection.settings_dict.get("USER", "").startswith("hangar_node_")
 
 
+# Catalog rows that GRANTs and role changes rewrite are not locked by Postgres: two joins at once
+# may fail one with "tuple concurrently updated". Every change here takes this lock first.
+_LOCK = 0x68616E67  # "hang"
+
+
+def _serialize(cur: Any) -> None:
+    cur.execute("SELECT pg_advisory_xact_lock(%s)", [_LOCK])
+
+
 def _may_create_roles() -> bool:
+    """A superuser, or a user with CREATEROLE that owns every table nodes use (it made them, by
+    migrating): only an owner may grant a table to another role."""
     with connection.cursor() as cur:
-        cur.execute("SELECT rolsuper OR rolcreaterole FROM pg_roles WHERE rolname = current_user")
+        cur.execute(
+            "SELECT rolsuper OR (rolcreaterole AND NOT EXISTS (SELECT 1 FROM pg_tables WHERE schemaname = "
+            "current_schema() AND tablename = ANY(%s) AND tableowner <> current_user)) "
+            "FROM pg_roles WHERE rolname = current_user",
+            [list(NODE_GRANTS)],
+        )
         row = cur.fetchone()
     return bool(row and row[0])
 
 
+def _where(cur: Any, role: str, verb: str) -> None:
+    """CONNECT on the database and USAGE on the schema, to or from ``role``: where this user may
+    (it owns them); where it may not, PUBLIC's defaults (both, in a new database) let nodes in."""
+    who, prep = sql.Identifier(role), "TO" if verb == "GRANT" else "FROM"
+    cur.execute("SELECT current_database(), current_schema()")
+    database, schema = cur.fetchone()
+    for what, name in (("DATABASE", database), ("SCHEMA", schema)):
+        privilege = "CONNECT" if what == "DATABASE" else "USAGE"
+        try:
+            with transaction.atomic():
+                cur.execute(
+                    sql.SQL(f"{verb} {privilege} ON {what} {{}} {prep} {{}}").format(
+                        sql.Identifier(name), who
+                    )
+                )
+        except DatabaseError:
+            log.info("%s %s on %s %s: not this user's to give", verb, privilege, what.lower(), name)
+
+
 def _grant(cur: Any, role: str) -> None:
+    who = sql.Identifier(role)
+    _where(cur, role, "GRANT")
     cur.execute(
         "SELECT c.relname FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace "
         "WHERE n.nspname = current_schema() AND c.relkind IN ('r', 'p') AND c.relname = ANY(%s)",
@@ -103,17 +140,14 @@ def _grant(cur: Any, role: str) -> None:
     for table, privileges in NODE_GRANTS.items():
         if table not in present:
             continue  # a migration not applied yet: granted after it is
-        cur.execute(
-            sql.SQL("GRANT {} ON {} TO {}").format(
-                sql.SQL(privileges), sql.Identifier(table), sql.Identifier(role)
-            )
-        )
+        cur.execute(sql.SQL("GRANT {} ON {} TO {}").format(sql.SQL(privileges), sql.Identifier(table), who))
         if "INSERT" in privileges:  # the id's sequence (serial or identity)
             cur.execute("SELECT pg_get_serial_sequence(%s, 'id')", [table])
             (sequence,) = cur.fetchone()
-            if sequence:
-                cur.execute(sql.SQL("GRANT USAGE, SELECT ON SEQUENCE {} TO {}").format(
-                    sql.SQL(sequence), sql.Identifier(role)))  # fmt: skip
+            if sequence:  # already quoted by Postgres
+                cur.execute(
+                    sql.SQL("GRANT USAGE, SELECT ON SEQUENCE {} TO {}").format(sql.SQL(sequence), who)
+                )
 
 
 def node_database_url(node_name: str) -> str:
@@ -125,20 +159,29 @@ def node_database_url(node_name: str) -> str:
     if mode == "off" or not postgres():
         return settings.DATABASE_URL
     if not _may_create_roles():
-        why = "the control plane's database user may not create roles (it needs CREATEROLE)"
+        why = ("the control plane's database user may not create roles for nodes (it needs to be a superuser, or "
+               "to have CREATEROLE and own Hangar's tables)")  # fmt: skip
         if mode == "on":
-            raise NodeRoleRefused(f"{why}, and HANGAR_NODE_DB_ROLES=on: grant it CREATEROLE")
+            raise NodeRoleRefused(f"{why}, and HANGAR_NODE_DB_ROLES=on")
         log.warning("%s: node %s gets the control plane's own database credentials", why, node_name)
         return settings.DATABASE_URL
     role, password = role_name(node_name), secrets.token_urlsafe(24)
     with connection.cursor() as cur:
-        cur.execute("SELECT 1 FROM pg_roles WHERE rolname = %s", [role])
-        verb = "ALTER" if cur.fetchone() else "CREATE"
-        cur.execute(
-            sql.SQL(
-                verb + " ROLE {} WITH LOGIN NOSUPERUSER NOCREATEDB NOCREATEROLE NOREPLICATION PASSWORD {}"
-            ).format(sql.Identifier(role), sql.Literal(password))
-        )
+        _serialize(cur)
+        cur.execute("SELECT rolsuper OR rolreplication OR rolcreaterole OR rolcreatedb FROM pg_roles "
+                    "WHERE rolname = %s", [role])  # fmt: skip
+        row = cur.fetchone()
+        if row is None:
+            cur.execute(sql.SQL(
+                "CREATE ROLE {} WITH LOGIN NOSUPERUSER NOCREATEDB NOCREATEROLE NOREPLICATION PASSWORD {}"
+            ).format(sql.Identifier(role), sql.Literal(password)))  # fmt: skip
+        elif row[0]:  # not one this module made: never hand out a role with powers
+            raise NodeRoleRefused(
+                f"the database role {role} exists with more than a node's powers; drop it first"
+            )
+        else:  # a node that joins again: a new password (what ALTER ROLE lets a non-superuser say)
+            cur.execute(sql.SQL("ALTER ROLE {} WITH LOGIN PASSWORD {}").format(
+                sql.Identifier(role), sql.Literal(password)))  # fmt: skip
         _grant(cur, role)
     # The control plane's URL (host, port, options) with the role's name and password, and the
     # database this process uses (the same but in tests, which use a database of their own).
@@ -151,18 +194,43 @@ def node_database_url(node_name: str) -> str:
 
 
 def node_role_drop(node_name: str) -> None:
-    """A removed node's role goes, with its open connections: its credentials no longer work."""
+    """A removed node's role goes (in the caller's transaction) and, once that commits, its open
+    connections are ended: its credentials no longer work."""
     if not postgres() or not _may_create_roles():
         return
     role = role_name(node_name)
+    who = sql.Identifier(role)
     with connection.cursor() as cur:
-        cur.execute("SELECT 1 FROM pg_roles WHERE rolname = %s", [role])
-        if not cur.fetchone():
+        _serialize(cur)
+        cur.execute("SELECT oid FROM pg_roles WHERE rolname = %s", [role])
+        row = cur.fetchone()
+        if row is None:
             return
-        cur.execute(sql.SQL("ALTER ROLE {} NOLOGIN").format(sql.Identifier(role)))
-        cur.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE usename = %s", [role])
-        cur.execute(sql.SQL("DROP OWNED BY {}").format(sql.Identifier(role)))  # its grants, here
-        cur.execute(sql.SQL("DROP ROLE {}").format(sql.Identifier(role)))
+        oid = row[0]
+        cur.execute("SELECT current_schema()")
+        (schema,) = cur.fetchone()
+        # Its grants here (what an owner may revoke; column grants go with their table's).
+        cur.execute(
+            sql.SQL("REVOKE ALL ON ALL TABLES IN SCHEMA {} FROM {}").format(sql.Identifier(schema), who)
+        )
+        cur.execute(
+            sql.SQL("REVOKE ALL ON ALL SEQUENCES IN SCHEMA {} FROM {}").format(sql.Identifier(schema), who)
+        )
+        _where(cur, role, "REVOKE")
+        cur.execute(sql.SQL("DROP ROLE {}").format(who))
+
+    def end_sessions() -> None:
+        try:
+            with connection.cursor() as cur:
+                cur.execute(
+                    "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE usesysid = %s", [oid]
+                )
+        except Exception:  # a user without the right to signal them: they hold no privileges now
+            log.warning(
+                "could not end the sessions of node %s's dropped database role", node_name, exc_info=True
+            )
+
+    transaction.on_commit(end_sessions)
 
 
 def node_roles_regrant(**_: object) -> None:
@@ -172,12 +240,14 @@ def node_roles_regrant(**_: object) -> None:
     from ..models import Node
 
     try:
-        names = list(Node.objects.values_list("name", flat=True))
-        with connection.cursor() as cur:
-            cur.execute("SELECT rolname FROM pg_roles WHERE rolname LIKE 'hangar\\_node\\_%%'")
-            existing = {name for (name,) in cur.fetchall()}
-            for name in names:
-                if (role := role_name(name)) in existing:
-                    _grant(cur, role)
+        with transaction.atomic():
+            names = list(Node.objects.values_list("name", flat=True))
+            with connection.cursor() as cur:
+                _serialize(cur)
+                cur.execute("SELECT rolname FROM pg_roles WHERE rolname LIKE %s", ["hangar\\_node\\_%"])
+                existing = {name for (name,) in cur.fetchall()}
+                for name in names:
+                    if (role := role_name(name)) in existing:
+                        _grant(cur, role)
     except Exception:  # a database user that may not grant: the next join grants
         log.warning("could not renew the nodes' database grants", exc_info=True)

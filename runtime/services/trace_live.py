@@ -2,7 +2,7 @@
 new, so a trace still being written grows on the page (:mod:`dashboard.websockets.trace_live`).
 
 A plain Redis PUBLISH per trace after the transaction commits (as :mod:`runtime.notify` does
-for sandboxes), on ``hangar:trace:<team>:<trace id>``, carrying the range of the new rows' ids,
+for sandboxes), on ``hangar:trace:<team>:<trace id>`` (``hangar:dbN:…`` in Redis database N), carrying the range of the new rows' ids,
 ``"<first>-<last>"``: the page's socket reads exactly those, whatever order concurrent batches
 commit in. Nobody listening costs a publish; a lost message costs the page that batch until
 its next one or a reload, never the store."""
@@ -15,13 +15,13 @@ from collections.abc import Iterable
 import redis
 from django.db import transaction
 
-from ..notify import redis_client
+from ..notify import pubsub_prefix, redis_client
 
 log = logging.getLogger(__name__)
 
 
 def trace_channel(team_id: int, trace_id: str) -> str:
-    return f"hangar:trace:{team_id}:{trace_id}"
+    return f"{pubsub_prefix()}trace:{team_id}:{trace_id}"
 
 
 def spans_stored(*, team_id: int, spans: Iterable[tuple[str, int | None]]) -> None:

@@ -5,11 +5,12 @@ fleet tests (tests/reliability/test_fleet.py, tests/test_node_cli.py) run real n
 
 from __future__ import annotations
 
+import uuid
 from urllib.parse import urlsplit
 
 import psycopg
 import pytest
-from django.db import connection
+from django.db import connection, transaction
 from psycopg import errors
 
 from runtime.errors import Conflict
@@ -141,3 +142,63 @@ def test_a_migration_grants_the_roles_there_are_what_nodes_use(joined):
     node_roles.node_roles_regrant()  # what post_migrate runs
     with _connect(got["database_url"]) as conn:
         conn.execute("SELECT 1 FROM runtime_sandbox")
+
+
+def test_a_control_plane_user_with_createrole_that_owns_the_tables_makes_and_drops_roles(transactional_db):
+    """Not a superuser: a user with CREATEROLE that owns Hangar's tables (it migrated them), as a
+    managed Postgres gives one. It makes a node's role, grants it, and drops it on remove."""
+    cp = f"hangar_cp_{uuid.uuid4().hex[:8]}"
+    with connection.cursor() as cur:
+        cur.execute("SELECT current_user")
+        (owner,) = cur.fetchone()
+        tables = sorted(_tables())
+        cur.execute(f'CREATE ROLE "{cp}" NOSUPERUSER CREATEROLE')
+        for table in tables:
+            cur.execute(f'ALTER TABLE "{table}" OWNER TO "{cp}"')
+    try:
+        with connection.cursor() as cur:
+            cur.execute(f'SET ROLE "{cp}"')
+        assert node_roles._may_create_roles()
+        url = node_roles.node_database_url("role-d")
+        role = node_roles.role_name("role-d")
+        assert urlsplit(url).username == role
+        with _connect(url) as conn:
+            conn.execute("SELECT count(*) FROM runtime_sandbox")
+            with pytest.raises(errors.InsufficientPrivilege):
+                conn.execute("SELECT 1 FROM runtime_apitoken")
+        assert node_roles.node_database_url("role-d") != url  # joined again: a new password
+        with transaction.atomic():
+            node_roles.node_role_drop("role-d")
+        with connection.cursor() as cur:
+            cur.execute("SELECT 1 FROM pg_roles WHERE rolname = %s", [role])
+            assert cur.fetchone() is None
+    finally:
+        with connection.cursor() as cur:
+            cur.execute("RESET ROLE")
+            for table in tables:
+                cur.execute(f'ALTER TABLE "{table}" OWNER TO "{owner}"')
+            cur.execute(f'DROP OWNED BY "{cp}"')
+            cur.execute(f'DROP ROLE "{cp}"')
+            cur.execute("SELECT 1 FROM pg_roles WHERE rolname = %s", [node_roles.role_name("role-d")])
+            if cur.fetchone():
+                cur.execute(f'DROP OWNED BY "{node_roles.role_name("role-d")}"')
+                cur.execute(f'DROP ROLE "{node_roles.role_name("role-d")}"')
+
+
+def test_a_user_with_createrole_that_does_not_own_the_tables_hands_out_its_own_credentials(
+    transactional_db, settings
+):
+    cp = f"hangar_cp_{uuid.uuid4().hex[:8]}"
+    with connection.cursor() as cur:
+        cur.execute(f'CREATE ROLE "{cp}" NOSUPERUSER CREATEROLE')
+        cur.execute(f'SET ROLE "{cp}"')
+    try:
+        assert not node_roles._may_create_roles()  # it could make a role, but not grant it our tables
+        assert node_roles.node_database_url("role-e") == settings.DATABASE_URL
+        settings.HANGAR_NODE_DB_ROLES = "on"
+        with pytest.raises(node_roles.NodeRoleRefused, match="own Hangar's tables"):
+            node_roles.node_database_url("role-e")
+    finally:
+        with connection.cursor() as cur:
+            cur.execute("RESET ROLE")
+            cur.execute(f'DROP ROLE "{cp}"')
