@@ -23,7 +23,7 @@ from tests import worker_env
 # session, naming it, so that none grows unnoticed into the CI's time (docs/reliability.md).
 BUDGET_S = {
     "test_escape": 600,
-    "test_authorization": 360,
+    "test_authorization": 600,  # its object matrix takes minutes beside another worker
     "test_authorization_ws": 120,
     "test_authorization_pages": 150,
     "test_authorization_edges": 150,

@@ -373,6 +373,7 @@ def _same(text: str, *ids: str) -> str:
     return re.sub("|".join(re.escape(i) for i in ids if i), "<id>", text)
 
 
+@pytest.mark.timeout(600)  # thousands of requests: minutes on a machine busy with another worker
 def test_another_teams_objects_are_a_404_to_everyone_and_own_ones_are_reached(callers, report):
     """For every endpoint naming a team's object (a sandbox and what is under it, a volume, a
     harness, a secret, a pool, a run, a trace, the team itself, an invitation) or a user's (a
