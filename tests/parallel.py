@@ -25,14 +25,15 @@ from tests import worker_env
 # `--junitxml` run), the longest first: they are handed out first, so that no worker is left
 # with a long one at the end while the others idle. The rest follow in collection order.
 LONGEST_FIRST = [
-    "tests/reliability/test_authorization.py",
-    "tests/runtime/test_harness_ca.py",
-    "tests/launchers/test_conformance.py",
-    "tests/cli/test_sandbox_cli.py",
-    "tests/reliability/test_escape.py",
-    "tests/host/test_images.py",
+    "tests/reliability/test_escape.py",  # its `alone` bombs early, beside the next one's short tests
+    "tests/launchers/test_conformance.py",  # one `alone` test
+    "tests/reliability/test_load.py",
+    "tests/reliability/test_bad_input.py",  # schemathesis: its --max-time 400
     "tests/api/test_harness_agents.py",
-    "tests/browser/test_dashboard_browser.py",
+    "tests/reliability/test_fleet.py",
+    "tests/reliability/test_neighbours.py",
+    "tests/reliability/test_authorization.py",
+    "tests/reliability/test_faults.py",
     "tests/launchers/test_network.py",
     "tests/api/test_sandboxes_api.py",
 ]
@@ -124,8 +125,10 @@ def host_turn(alone: bool) -> Iterator[None]:
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_protocol(item, nextitem):
     """The whole of a test's turn: its setup (module and session fixtures included, which the
-    first test of a module sets up), call and teardown."""
-    if not worker_env.WORKER:
+    first test of a module sets up), call and teardown. A test marked ``beside_alone`` takes no
+    turn: it neither writes much to the host's disk nor measures the host (schemathesis against
+    the API for its fixed 400 s), so an ``alone`` test need not wait for it to end."""
+    if not worker_env.WORKER or item.get_closest_marker("beside_alone") is not None:
         return (yield)
     try:
         turn = host_turn(alone=item.get_closest_marker("alone") is not None)

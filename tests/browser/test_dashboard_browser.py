@@ -23,7 +23,9 @@ pytestmark = [
     pytest.mark.skipif(CHROMIUM is None, reason="needs Debian's chromium (scripts/install-test-deps.sh)"),
 ]
 SHOTS = ARTIFACTS / "browser"
-TIMEOUT_MS = 30_000
+# Each wait of the browser's: what a page may take on a 2-core machine shared with another test
+# worker (`pytest -n 2`) starting sandboxes and harnesses of its own.
+TIMEOUT_MS = 90_000
 
 
 @pytest.fixture(scope="module")

@@ -60,7 +60,7 @@ def fuzz_owner() -> str:
 
 
 @pytest.mark.timeout(900)
-@pytest.mark.alone  # schemathesis's 10 clients take both cores: nothing beside it (tests/parallel.py)
+@pytest.mark.beside_alone  # its 400 s hold up no `alone` test (tests/parallel.py)
 def test_schemathesis_finds_nothing(service_env, celery_worker, bridge, local_node, tmp_path, report):
     from tests.conftest import _stop, start_server
 

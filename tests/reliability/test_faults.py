@@ -24,12 +24,7 @@ import pytest
 from tests.reliability.stack import Stack, host_resources
 from tests.support import requires_runsc
 
-pytestmark = [
-    requires_runsc,
-    pytest.mark.slow,
-    pytest.mark.timeout(600),
-    pytest.mark.alone,
-]  # whole Hangars under load: alone under `pytest -n`
+pytestmark = [requires_runsc, pytest.mark.slow, pytest.mark.timeout(600)]
 
 TRANSITIONAL = ("pending", "starting", "pausing", "resuming", "stopping")
 

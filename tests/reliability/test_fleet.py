@@ -23,12 +23,7 @@ import pytest
 from tests.reliability.stack import ROOT, JoinedNode, Stack, alive
 from tests.support import requires_runsc
 
-pytestmark = [
-    requires_runsc,
-    pytest.mark.slow,
-    pytest.mark.timeout(900),
-    pytest.mark.alone,
-]  # whole Hangars under load: alone under `pytest -n`
+pytestmark = [requires_runsc, pytest.mark.slow, pytest.mark.timeout(900)]
 
 LOST_WITHIN_S = 30  # the bound from death to lost
 

@@ -33,7 +33,6 @@ pytestmark = [
     pytest.mark.skipif(
         not HAS_LOCUST and not os.environ.get("CI"), reason="needs locust (the test extra): make install"
     ),
-    pytest.mark.alone,  # a hundred sandboxes and fifty clients: alone under `pytest -n`
 ]
 
 SANDBOXES = 100

@@ -22,12 +22,7 @@ import pytest
 from tests.reliability.stack import Stack, host_resources
 from tests.support import requires_runsc
 
-pytestmark = [
-    requires_runsc,
-    pytest.mark.slow,
-    pytest.mark.timeout(900),
-    pytest.mark.alone,
-]  # whole Hangars under load: alone under `pytest -n`
+pytestmark = [requires_runsc, pytest.mark.slow, pytest.mark.timeout(900)]
 
 LOAD_S = 45.0  # each stack's load runs this long; A is SIGKILLed and started again within it
 WORKERS = 2  # concurrent clients per stack
