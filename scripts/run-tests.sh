@@ -7,11 +7,12 @@ $VENV/bin/ruff check dashboard runtime tests bench sdk || exit 1
 # Types: runtime/ and dashboard/ with the Django stubs ([tool.mypy] in pyproject.toml).
 $VENV/bin/mypy || exit 1
 HANGAR_DATA_DIR=$(mktemp -d) DATABASE_URL= REDIS_URL= $VENV/bin/python manage.py makemigrations --check --dry-run >/dev/null || { echo "missing migrations" >&2; exit 1; }
-# The suite across HANGAR_TEST_WORKERS processes (pytest-xdist; 2 by default, one per core of
-# the development machine, whose single run leaves a core idle most of the time): each worker is
-# a node of its own on this machine, modules go to workers whole, the longest first, and a test
-# marked `alone` runs with no other beside it (tests/parallel.py). 1 runs it in one process.
-WORKERS=${HANGAR_TEST_WORKERS:-2}
+# The suite in one process by default. HANGAR_TEST_WORKERS=2 runs it across two (pytest-xdist:
+# each worker a node of its own on this machine, modules whole, the longest first, tests marked
+# `alone` with no other beside them: tests/parallel.py). Two took 37.7 min of pytest where one
+# takes over an hour here, but on this 2-core machine each of three two-worker runs failed one to
+# three tests on time (docs/reliability.md): not the default until that is steady.
+WORKERS=${HANGAR_TEST_WORKERS:-1}
 PARALLEL=()
 if [ "$WORKERS" -gt 1 ]; then PARALLEL=(-n "$WORKERS" --dist loadfile --no-loadscope-reorder); fi
 # Each test has its own limit (pyproject's timeout); this one bounds the run as a whole, under

@@ -9,10 +9,6 @@ os.environ.setdefault("HANGAR_NODE_NAME", "test-node")
 # Tests register nodes and place sandboxes on them from several processes at once: every
 # placement reads the fleet afresh (tests/runtime/test_fleet_view.py tests the view's age).
 os.environ.setdefault("HANGAR_PLACEMENT_VIEW_S", "0")
-# How long a create, pause or resume answer waits for its end: a checkpoint and its restore
-# under gVisor's ptrace platform can take over a minute on a 2-core machine shared by two test
-# workers, and the tests read the end state from the answer.
-os.environ.setdefault("HANGAR_CREATE_WAIT_S", "240")
 os.environ.setdefault("HANGAR_ACTIVITY_REPORT_S", "1")  # bridges report terminal activity at once
 # Flow control's marks, small: a gVisor pty under ptrace may move only ~10 KB/s on a busy host,
 # and the flow tests must reach the high mark whatever the host's load.
