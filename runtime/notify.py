@@ -9,11 +9,11 @@ import threading
 import time
 from collections.abc import Iterable
 from functools import cache
-from urllib.parse import parse_qs, urlsplit
 
 import redis
 from django.conf import settings
 from django.db import transaction
+from redis.connection import parse_url
 
 log = logging.getLogger(__name__)
 
@@ -25,9 +25,8 @@ def redis_client() -> redis.Redis:
 
 @cache
 def _prefix_for(url: str) -> str:
-    parts = urlsplit(url)
-    db = parse_qs(parts.query).get("db", [""])[0] or (parts.path.strip("/") if parts.scheme != "unix" else "")
-    return f"hangar:db{db}:" if db.isdigit() and int(db) else "hangar:"
+    db = int(parse_url(url).get("db") or 0)  # redis-py's own reading of the URL (path or ?db=)
+    return f"hangar:db{db}:" if db else "hangar:"
 
 
 def pubsub_prefix() -> str:

@@ -130,14 +130,10 @@ def pytest_runtest_protocol(item, nextitem):
     the API for its fixed 400 s), so an ``alone`` test need not wait for it to end."""
     if not worker_env.WORKER or item.get_closest_marker("beside_alone") is not None:
         return (yield)
-    try:
-        turn = host_turn(alone=item.get_closest_marker("alone") is not None)
-        turn.__enter__()
-    except RuntimeError as exc:  # no turn in TURN_WAIT_S: this test fails, the run goes on
-        why = str(exc)
-        item.runtest = lambda: pytest.fail(why, pytrace=False)
+    with contextlib.ExitStack() as turn:
+        try:
+            turn.enter_context(host_turn(alone=item.get_closest_marker("alone") is not None))
+        except RuntimeError as exc:  # no turn in TURN_WAIT_S: this test fails, the run goes on
+            why = str(exc)
+            item.runtest = lambda: pytest.fail(why, pytrace=False)
         return (yield)
-    try:
-        return (yield)
-    finally:
-        turn.__exit__(None, None, None)
