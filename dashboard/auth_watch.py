@@ -17,7 +17,7 @@ from channels.layers import get_channel_layer
 from django.conf import settings
 from django.utils import timezone
 
-from runtime.aio import blocking
+from runtime.aio import blocking, stop, within
 from runtime.notify import auth_group
 from runtime.services.auth import token_current
 
@@ -60,11 +60,8 @@ class AuthWatch:
             with contextlib.suppress(Exception):
                 await get_channel_layer().send(self.channel, {"type": "hangar.watch.stop"})
             with contextlib.suppress(Exception):
-                await asyncio.wait_for(asyncio.shield(task), 5)
-        if not task.done():
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
+                await within(asyncio.shield(task), 5)
+        await stop(task)
 
     async def may_go_on(self) -> bool:
         """Once no check is under way: whether access goes on."""

@@ -22,7 +22,7 @@ from typing import TypeVar
 import redis.asyncio as aioredis
 from django.conf import settings
 
-from runtime.aio import blocking
+from runtime.aio import blocking, within
 from runtime.notify import pubsub_prefix
 
 log = logging.getLogger(__name__)
@@ -56,7 +56,7 @@ class Hub:
             self._task = asyncio.create_task(self._run(self._ready))
         assert self._ready is not None
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._ready.wait(), 5)
+            await within(self._ready.wait(), 5)
 
     async def _run(self, ready: asyncio.Event) -> None:
         while True:
@@ -108,6 +108,6 @@ async def wait_for(channel: str, read: Callable[[], T], done: Callable[[T], bool
             if done(row) or left <= 0:
                 return row
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(queue.get(), min(1.0, left))
+                await within(queue.get(), min(1.0, left))
     finally:
         hub.unsubscribe(channel, queue)

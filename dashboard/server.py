@@ -44,6 +44,8 @@ from twisted.internet import reactor
 from twisted.internet.interfaces import IPushProducer
 from zope.interface import implementer
 
+from runtime.aio import within
+
 from .limits import body_limit
 
 log = logging.getLogger("hangar.server")
@@ -80,7 +82,7 @@ class SendGate:
         if self._open.is_set():
             return True
         try:
-            await asyncio.wait_for(self._open.wait(), stall_s)
+            await within(self._open.wait(), stall_s)
         except TimeoutError:
             return False
         return True

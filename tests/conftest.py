@@ -55,10 +55,10 @@ _flush_retrying_deadlocks()
 def pytest_configure(config) -> None:
     """The run across workers (`pytest -n`) and the reliability suites' budgets and report: plugins,
     so that they also run in the controller of a `pytest -n` run, which loads no other conftest."""
-    from . import parallel
+    from . import hangs, parallel
     from .reliability import budgets
 
-    for plugin in (parallel, budgets):
+    for plugin in (parallel, budgets, hangs):
         if not config.pluginmanager.is_registered(plugin):
             config.pluginmanager.register(plugin, f"hangar-{plugin.__name__}")
 

@@ -62,6 +62,7 @@ async def refused_with(comm) -> int:
     assert connected, "refused at the handshake: a real client sees HTTP 403, not a close code"
     message = await comm.receive_output(5)
     assert message["type"] == "websocket.close", message
+    await comm.disconnect()  # as a client does once it has the close (daphne then tells the consumer)
     return message["code"]
 
 

@@ -34,7 +34,7 @@ from urllib.parse import parse_qsl
 import h11
 from django.conf import settings
 
-from runtime.aio import blocking
+from runtime.aio import blocking, stop, within
 from runtime.errors import Conflict, ServiceError
 from runtime.models import Sandbox
 from runtime.services import previews
@@ -115,7 +115,7 @@ async def _wake(sandbox_id: str) -> Sandbox:
     # Shielded: a client that gives up, or whose wait ends, does not stop the wake-up the
     # others wait for.
     try:
-        return await asyncio.wait_for(asyncio.shield(task), settings.HANGAR_PREVIEW_RESUME_WAIT_S)
+        return await within(asyncio.shield(task), settings.HANGAR_PREVIEW_RESUME_WAIT_S)
     except TimeoutError:
         return await blocking(_read_row)(sandbox_id)  # still waking: the caller says so
 
@@ -144,7 +144,7 @@ async def _resume_and_wait(sandbox_id: str) -> Sandbox:
             if row.status not in (S.PAUSING, S.RESUMING, S.PAUSED) or time.monotonic() >= deadline:
                 return row
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(queue.get(), min(WAKE_POLL_S, max(0.0, deadline - time.monotonic())))
+                await within(queue.get(), min(WAKE_POLL_S, max(0.0, deadline - time.monotonic())))
     finally:
         hub.unsubscribe(channel, queue)
 
@@ -414,9 +414,7 @@ class Preview:
             try:
                 await self._response(conn, reader)
             finally:
-                body_task.cancel()
-                with contextlib.suppress(asyncio.CancelledError, Exception):
-                    await body_task
+                await stop(body_task)
         except (h11.ProtocolError, OSError, ConnectionError) as exc:
             log.info("preview %s:%s: %s", self.sandbox_id, self.port, exc)
             if not self.started:
@@ -589,9 +587,5 @@ class Preview:
         try:
             await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
         finally:
-            for t in tasks:
-                t.cancel()
-            for t in tasks:
-                with contextlib.suppress(asyncio.CancelledError, Exception):
-                    await t
+            await stop(*tasks)
             writer.close()

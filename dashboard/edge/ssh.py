@@ -50,7 +50,7 @@ from typing import Any
 import asyncssh
 from django.conf import settings
 
-from runtime.aio import blocking
+from runtime.aio import blocking, within
 from runtime.errors import NotFound, ServiceError
 from runtime.services import audit
 from runtime.services import processes as proc_svc
@@ -245,9 +245,7 @@ class Gateway(asyncssh.SSHServer):
             session.end(watch.why)
         # Their messages and exit statuses go out before the connection closes.
         with contextlib.suppress(Exception):
-            await asyncio.wait_for(
-                asyncio.gather(*(s.chan.wait_closed() for s in sessions if s.chan is not None)), 5
-            )
+            await within(asyncio.gather(*(s.chan.wait_closed() for s in sessions if s.chan is not None)), 5)
         if self.conn is not None:
             self.conn.close()
 
@@ -495,7 +493,7 @@ class Session(asyncssh.SSHServerSession[bytes]):
             return await asyncio.shield(task)
         except asyncio.CancelledError:
             with contextlib.suppress(Exception):
-                row = await asyncio.wait_for(task, 15)
+                row = await within(task, 15)
                 self.process = _handle(sandbox, row.id, terminal=terminal)
             raise
 
@@ -666,7 +664,7 @@ async def run_gateway(host: str, port: int, ready: asyncio.Event | None = None) 
         # cut short), then the sessions' tasks.
         sessions = list(_live_sessions)
         with contextlib.suppress(Exception):
-            await asyncio.wait_for(asyncio.gather(*(s._kill() for s in sessions), return_exceptions=True), 10)
+            await within(asyncio.gather(*(s._kill() for s in sessions), return_exceptions=True), 10)
         tasks = [s.task for s in sessions if s.task is not None]
         for task in tasks:
             task.cancel()

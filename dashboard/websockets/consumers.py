@@ -26,7 +26,6 @@ from __future__ import annotations
 import asyncio
 import base64
 import codecs
-import contextlib
 import json
 import logging
 import time
@@ -42,6 +41,7 @@ from django.contrib.auth import get_user_model
 from django.template.loader import render_to_string
 from django.utils import timezone
 
+from runtime.aio import stop
 from runtime.errors import ServiceError
 from runtime.models import Exec, ImageJob, Membership, Sandbox, Team
 from runtime.notify import auth_group
@@ -123,13 +123,14 @@ class _Base(AsyncWebsocketConsumer):
     auth_ended = False
 
     accepted = False
+    refusing = False
 
     async def close(self, code: int | bool | None = None, reason: str | None = None) -> None:
         # A close before the handshake is answered reaches the client as an HTTP 403 (that is
         # how daphne refuses a handshake), and the close code it should read is lost: accept
         # first, so a refusal arrives as the code the docs give (4401, 4403, 4404, 4400).
         if not self.accepted:
-            await self.accept()
+            await self._accept_to_refuse()
         await super().close(code=code, reason=frames.close_reason(reason) if reason else None)
 
     async def _refuse_query(self, model: type[Any]) -> Any:
@@ -138,7 +139,7 @@ class _Base(AsyncWebsocketConsumer):
         try:
             return frames.parse_query(_query(self.scope), model)
         except frames.FrameError as exc:
-            await self.accept()
+            await self._accept_to_refuse()
             await self.send_json({"type": "error", "message": exc.message})
             await self.close(code=CLOSE_BAD_REQUEST, reason=exc.message)
             return None
@@ -149,7 +150,7 @@ class _Base(AsyncWebsocketConsumer):
             await self.close(code=CLOSE_UNAUTHORIZED)
             return False
         if isinstance(who, str):  # said in a frame first: daphne does not pass a close's reason on
-            await self.accept()
+            await self._accept_to_refuse()
             await self.send_json({"type": "error", "message": who})
             await self.close(code=CLOSE_FORBIDDEN, reason=who)
             return False
@@ -158,13 +159,18 @@ class _Base(AsyncWebsocketConsumer):
 
     # -- who it acts for, while it is open ---------------------------------------------------
 
+    async def _accept_to_refuse(self) -> None:
+        """Accepted only to be closed with its refusal's code: nothing to watch."""
+        self.refusing = True
+        await self.accept()
+
     async def accept(self, subprotocol: str | None = None, headers: Any = None) -> None:
         if self.accepted:
             return
         self.accepted = True
         await super().accept(subprotocol, headers)
-        if getattr(self, "user", None) is None:
-            return  # accepted only to be closed with its refusal's code
+        if self.refusing or getattr(self, "user", None) is None:
+            return
         # A change between the handshake's authentication and this join is caught by the
         # periodic check.
         group = auth_group(self.user.pk)
@@ -337,11 +343,7 @@ class TerminalConsumer(_Base):
             await self.follow.ack(offset)
 
     async def disconnect(self, code: int) -> None:
-        pump = getattr(self, "pump", None)
-        if pump is not None:
-            pump.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await pump
+        await stop(getattr(self, "pump", None))
 
 
 class ExecConsumer(_Base):
@@ -469,9 +471,7 @@ class ExecConsumer(_Base):
 
     async def disconnect(self, code: int) -> None:
         if self.pump is not None:
-            self.pump.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await self.pump
+            await stop(self.pump)
             if self.owned and not self.finished:
                 await self.process.kill()
 

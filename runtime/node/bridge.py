@@ -58,6 +58,7 @@ from django.conf import settings
 from redis.exceptions import ConnectionError as RedisConnectionError
 
 from .. import streams
+from ..aio import within
 from ..launchers.base import FileOpError, LauncherError, Process, ProcessExit, ProcessRequest
 from ..notify import redis_client
 from .local import launcher_for, local_address_pools
@@ -302,7 +303,7 @@ class Bridge:
         # (signal 9), which hanging up would not do. But the connection may be held by a write
         # the command does not read (the agent reads no frame past it): then hang up.
         try:
-            await asyncio.wait_for(asyncio.to_thread(lp.process.send_signal, 9), KILL_WAIT_S)
+            await within(asyncio.to_thread(lp.process.send_signal, 9), KILL_WAIT_S)
         except TimeoutError:
             log.info("bridge: %s did not take its kill within %.0f s (unread input); hanging up", lp.key,
                      KILL_WAIT_S)  # fmt: skip

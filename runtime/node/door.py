@@ -28,6 +28,8 @@ from urllib.parse import urlsplit
 
 import h11
 
+from ..aio import within
+
 log = logging.getLogger(__name__)
 BUFFER = 64 * 1024
 HEAD_MAX = 64 * 1024  # the most a request's line and headers may take
@@ -102,7 +104,7 @@ class Door:
         try:
             while True:
                 try:
-                    event = await asyncio.wait_for(client.next_event(), IDLE_S)
+                    event = await within(client.next_event(), IDLE_S)
                 except TimeoutError:
                     break
                 except h11.RemoteProtocolError as exc:
@@ -143,7 +145,7 @@ class Door:
             if upstream is not None:
                 upstream.close()
             try:
-                up_reader, up_writer = await asyncio.wait_for(
+                up_reader, up_writer = await within(
                     asyncio.open_connection(self.target_host, self.target_port, ssl=self.target_tls or None),
                     UPSTREAM_TIMEOUT_S,
                 )

@@ -26,6 +26,8 @@ from typing import Any
 
 from django.conf import settings
 
+from ..aio import within
+
 log = logging.getLogger("hangar.tunnels")
 VALID_S = 30
 LINE_LIMIT = 2048
@@ -84,12 +86,12 @@ async def open_remote(
     """A tunnel through the node at ``address`` (host:port)."""
     host, _, tport = address.rpartition(":")
     try:
-        reader, writer = await asyncio.wait_for(asyncio.open_connection(host, int(tport), limit=65536), 10)
+        reader, writer = await within(asyncio.open_connection(host, int(tport), limit=65536), 10)
     except (OSError, ValueError, TimeoutError) as exc:
         raise TunnelError(f"cannot reach the node's tunnel at {address}: {exc}") from None
     writer.write(request_line(sandbox_id, port))
     try:
-        answer = await asyncio.wait_for(reader.readline(), 30)
+        answer = await within(reader.readline(), 30)
     except (OSError, TimeoutError) as exc:
         writer.close()
         raise TunnelError(f"the node's tunnel at {address} did not answer: {exc}") from None
@@ -118,7 +120,7 @@ async def _handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, no
     from ..models import Sandbox
 
     try:
-        line = await asyncio.wait_for(reader.readline(), 10)
+        line = await within(reader.readline(), 10)
         if len(line) > LINE_LIMIT:
             raise ValueError("request too long")
         body = json.loads(line)

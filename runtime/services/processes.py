@@ -25,7 +25,7 @@ from django.db.models import QuerySet
 from django.utils import timezone
 
 from .. import events, streams
-from ..aio import blocking
+from ..aio import blocking, within
 from ..errors import Conflict, InvalidValue, NodeUnavailable, NotFound
 from ..models import Exec, Sandbox, Team, Terminal
 from ..notify import redis_client
@@ -395,7 +395,7 @@ class InputSender:
     async def _acked(self, timeout: float) -> bool:
         """Take the node's next answer (False: none came within ``timeout``)."""
         try:
-            msg = await asyncio.wait_for(self._layer.receive(self.channel), timeout)
+            msg = await within(self._layer.receive(self.channel), timeout)
         except TimeoutError:
             return False
         if msg.get("type") == streams.INPUT_ACKED and msg.get("key") == self.key:
@@ -571,7 +571,7 @@ class ProcessFollow:
             bridge = _BridgeWatch(self.handle.node_name)
             while not follower.done:
                 try:
-                    msg = await asyncio.wait_for(layer.receive(self.channel), BRIDGE_CHECK_S)
+                    msg = await within(layer.receive(self.channel), BRIDGE_CHECK_S)
                 except TimeoutError:
                     gone = await bridge.gone()
                     if gone:

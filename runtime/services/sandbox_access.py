@@ -21,6 +21,7 @@ from functools import cached_property, partial
 from typing import Any
 
 from .. import streams
+from ..aio import within
 from ..errors import Conflict, InvalidValue, NodeUnavailable
 from ..launchers.base import (
     PSEUDO_FS_REFUSED,
@@ -106,7 +107,7 @@ class SandboxAccess(abc.ABC):
         node = sandbox.node.name
         await layer.send(streams.bridge_channel(node), message)
         try:
-            answer = await asyncio.wait_for(layer.receive(reply), START_TIMEOUT_S)
+            answer = await within(layer.receive(reply), START_TIMEOUT_S)
         except TimeoutError:
             raise NodeUnavailable(
                 f"the stream bridge of node {node} did not answer within {START_TIMEOUT_S:.0f} s "
