@@ -127,3 +127,19 @@ def test_errors_are_one_line_with_a_non_zero_status(cli, cli_env, server):
     assert down.returncode == 1 and "Traceback" not in down.stderr
     invalid = cli("sandbox", "create", "--image", "busybox", "--memory-mb", "1")
     assert invalid.returncode == 1 and "memory_mb" in invalid.stderr
+
+
+def test_an_exit_without_a_status_of_its_own_says_why(capsys):
+    """A command whose node's bridge stopped (or whose process is gone) ends with 128, as a
+    shell reports a death it cannot explain: the CLI says why on stderr, not 128 alone."""
+    from hangar_sdk.cli._common import exit_status
+
+    gone = "the stream bridge of node n1 stopped: no more output of this command can come"
+    assert (
+        exit_status({"type": "exit", "exit_code": None, "signal": 0, "timed_out": False, "error": gone})
+        == 128
+    )
+    assert capsys.readouterr().err == f"hangar: {gone}\n"
+    assert exit_status({"type": "exit", "exit_code": 3, "signal": 0, "timed_out": False}) == 3
+    assert exit_status({"type": "exit", "exit_code": None, "signal": 9, "timed_out": False}) == 137
+    assert capsys.readouterr().err == ""

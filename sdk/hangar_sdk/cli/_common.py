@@ -151,9 +151,12 @@ def pump(lines: Iterable[str], *, all_to_stderr: bool = False) -> dict[str, Any]
 
 def exit_status(event: Mapping[str, Any] | None) -> int:
     """A shell's exit status for a command's exit event: its code, 128+N for signal N, 124
-    for a timeout (as ``timeout(1)``)."""
+    for a timeout (as ``timeout(1)``). Why a command ended without a status of its own (its
+    node's bridge stopped, the process is gone) is said on stderr: 128 alone says nothing."""
     if event is None:
         fail("the output stream ended before the command did")
+    if event.get("error"):
+        say(f"hangar: {event['error']}")
     if event.get("timed_out"):
         say("hangar: the command timed out")
         return 124
