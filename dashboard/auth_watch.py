@@ -54,14 +54,16 @@ class AuthWatch:
         if task is None or task.done():
             return
         self.stopping = True
-        # A layer's receive is never cancelled to stop it (a cancelled channels_redis receive
-        # can hold the stop up for as long as it waits): a message to its own channel ends it.
-        if self.channel:
-            with contextlib.suppress(Exception):
-                await get_channel_layer().send(self.channel, {"type": "hangar.watch.stop"})
-            with contextlib.suppress(Exception):
-                await within(asyncio.shield(task), 5)
-        await stop(task)
+        try:
+            # A layer's receive is never cancelled to stop it (a cancelled channels_redis receive
+            # can hold the stop up for as long as it waits): a message to its own channel ends it.
+            if self.channel:
+                with contextlib.suppress(Exception):
+                    await get_channel_layer().send(self.channel, {"type": "hangar.watch.stop"})
+                with contextlib.suppress(Exception):
+                    await within(asyncio.shield(task), 5)
+        finally:
+            await stop(task)
 
     async def may_go_on(self) -> bool:
         """Once no check is under way: whether access goes on."""

@@ -52,8 +52,15 @@ async def stop(*tasks: asyncio.Future[Any] | None) -> None:
     running = [t for t in tasks if t is not None and not t.done()]
     for t in running:
         t.cancel()
+        t.add_done_callback(_retrieve)  # also when the caller stops waiting for it
     if running:
         await asyncio.wait(running)  # raises CancelledError if the caller is cancelled
     for ended in tasks:
-        if ended is not None and ended.done() and not ended.cancelled():
-            ended.exception()  # retrieved: asyncio does not log it as never retrieved
+        if ended is not None and ended.done():
+            _retrieve(ended)
+
+
+def _retrieve(task: asyncio.Future[Any]) -> None:
+    """What a stopped task ended with, read: asyncio does not log it as never retrieved."""
+    if not task.cancelled():
+        task.exception()

@@ -587,5 +587,7 @@ class Preview:
         try:
             await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
         finally:
-            await stop(*tasks)
-            writer.close()
+            try:
+                await stop(*tasks)
+            finally:
+                writer.close()

@@ -471,9 +471,11 @@ class ExecConsumer(_Base):
 
     async def disconnect(self, code: int) -> None:
         if self.pump is not None:
-            await stop(self.pump)
-            if self.owned and not self.finished:
-                await self.process.kill()
+            try:
+                await stop(self.pump)
+            finally:  # even when daphne cancels a disconnect that takes too long
+                if self.owned and not self.finished:
+                    await self.process.kill()
 
 
 # -- live pages (sessions only) ------------------------------------------------------------------

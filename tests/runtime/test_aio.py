@@ -104,3 +104,36 @@ def test_stop_waits_for_its_tasks_but_not_past_its_own_cancellation() -> None:
         assert cleaned.is_set()
 
     asyncio.run(main())
+
+
+def test_stop_reads_what_a_task_ends_with_even_after_its_caller_gave_up() -> None:
+    """No "Task exception was never retrieved" for a stopped task that fails in its clean-up
+    after the one stopping it was itself cancelled."""
+    import gc
+
+    unread: list[str] = []
+
+    async def main() -> None:
+        asyncio.get_running_loop().set_exception_handler(lambda _loop, ctx: unread.append(ctx["message"]))
+
+        async def fails_on_the_way_out() -> None:
+            try:
+                await asyncio.sleep(10)
+            finally:
+                await asyncio.sleep(0.1)
+                raise RuntimeError("clean-up failed")  # noqa: B012
+
+        child = asyncio.create_task(fails_on_the_way_out())
+        await asyncio.sleep(0)
+        caller = asyncio.create_task(stop(child))
+        await asyncio.sleep(0.02)
+        caller.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await caller
+        await asyncio.sleep(0.2)
+        assert child.done()
+        del child
+        gc.collect()
+
+    asyncio.run(main())
+    assert unread == []
