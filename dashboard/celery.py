@@ -4,7 +4,7 @@ import os
 import time
 
 from celery import Celery
-from celery.signals import worker_ready
+from celery.signals import worker_ready, worker_shutdown
 
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "dashboard.settings")
 # When this process started: what a node's rows show changed since then is this worker's own
@@ -28,3 +28,23 @@ def _recover_node(sender: object = None, **_: object) -> None:
     if queue in served:
         app.send_task("runtime.tasks.node_recover", kwargs={"worker_started_at": STARTED_AT}, queue=queue,
                       ignore_result=True)  # fmt: skip
+        _start_heartbeat()
+
+
+_heartbeat = None
+
+
+def _start_heartbeat() -> None:
+    """The node's heartbeat, from a thread of this worker (runtime.node.heartbeat): on time
+    however busy its pool is."""
+    global _heartbeat
+    from runtime.node.heartbeat import Heartbeat
+
+    if _heartbeat is None:
+        _heartbeat = Heartbeat().start()
+
+
+@worker_shutdown.connect
+def _stop_heartbeat(**_: object) -> None:
+    if _heartbeat is not None:
+        _heartbeat.stop()

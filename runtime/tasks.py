@@ -8,13 +8,12 @@ from datetime import UTC, datetime
 from typing import Any
 
 from celery import Task, shared_task
-from django.conf import settings
 
 from .host.volumes import VolumeError
 from .models import Node
-from .node import moves
+from .node import heartbeat, moves
 from .node import sandboxes as node_svc
-from .node.local import local_capabilities, local_node_name, node_queue
+from .node.local import local_node_name, node_queue
 from .services import harnesses, pools, retention, runs, traces, usage, volumes
 from .services import images as image_services
 from .services import nodes as node_services
@@ -105,11 +104,8 @@ def image_job(job_id: int) -> None:
 
 @shared_task
 def node_heartbeat() -> None:
-    node_services.node_heartbeat(
-        name=local_node_name(),
-        disk_free_mb=node_services.local_disk_free_mb(),
-        launchers=local_capabilities(),
-    )
+    """One heartbeat, on request (the worker's own thread beats on its own)."""
+    heartbeat.beat_once()
 
 
 @shared_task
@@ -140,12 +136,10 @@ def nodes_tick() -> None:
 
 @shared_task
 def nodes_heartbeat() -> None:
-    """Beat (every HANGAR_NODE_HEARTBEAT_S): mark silent nodes lost, and ask every node's own
-    worker to heartbeat (a lost one too: one that comes back answers it)."""
+    """Beat (every HANGAR_NODE_HEARTBEAT_S): mark silent nodes lost. Each node's worker
+    heartbeats from a thread of its own (runtime.node.heartbeat), not from a task a busy pool
+    would run late."""
     node_services.nodes_mark_lost()
-    expires = max(5.0, settings.HANGAR_NODE_HEARTBEAT_S * 2)
-    for name in Node.objects.exclude(state=Node.State.REMOVED).values_list("name", flat=True):
-        node_heartbeat.apply_async(queue=node_queue(name), expires=expires)
 
 
 @shared_task

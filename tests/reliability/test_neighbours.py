@@ -3,13 +3,16 @@ several nodes on one machine), each the real `hangar up` on its own Postgres, Re
 disk (tests/reliability/stack.py), under load side by side. What one does to its own sandboxes,
 its network and its host state (creates, deletes, a SIGKILL of everything and the start-up
 reconcile that follows) never touches the other's: the other's load sees no error, its
-long-lived sandbox keeps its process and files, their address pools are disjoint and neither's
-sandbox can reach the other's."""
+long-lived sandboxes (one on each runtime the machine has: gVisor, and the microVM where QEMU
+and its guest kernel are installed) keep their processes and files, their address pools are
+disjoint and none of one's sandboxes can reach the other's."""
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import ipaddress
+import itertools
 import statistics
 import threading
 import time
@@ -19,11 +22,15 @@ from dataclasses import dataclass, field
 import httpx
 import pytest
 
+from runtime.launchers.microvm import boot
 from tests.reliability.stack import Stack, host_resources
 from tests.support import requires_runsc
 
 pytestmark = [requires_runsc, pytest.mark.slow, pytest.mark.timeout(900)]
 
+# The residents' runtimes: every one this machine has (the load itself runs on gVisor).
+RUNTIMES = ["gvisor"] + (["microvm"] if boot.missing() is None else [])
+RESIDENT = {"gvisor": {}, "microvm": {"memory_mb": 256}}
 LOAD_S = 45.0  # each stack's load runs this long; A is SIGKILLed and started again within it
 WORKERS = 2  # concurrent clients per stack
 
@@ -46,7 +53,9 @@ def stacks(tmp_path_factory) -> Iterator[tuple[Stack, Stack]]:
 
 
 def create(api: httpx.Client, **extra) -> dict:
-    r = api.post("/sandboxes", json={"image": "busybox", "memory_mb": 128, "timeout_s": 900, **extra})
+    r = api.post(
+        "/sandboxes", json={"image": "busybox", "memory_mb": 128, "timeout_s": 900, **extra}, timeout=180
+    )
     assert r.status_code == 201, r.text
     return r.json()
 
@@ -67,6 +76,13 @@ def background(api: httpx.Client, sandbox_id: str, cmd: str) -> int:
 def address(api: httpx.Client, sandbox_id: str) -> ipaddress.IPv4Interface:
     out = sh(api, sandbox_id, "ip -4 -o addr show | grep -v ' lo ' | head -1")["stdout"].split()
     return ipaddress.IPv4Interface(out[3])
+
+
+@dataclass
+class Resident:
+    id: str
+    pid: int
+    addr: ipaddress.IPv4Interface
 
 
 @dataclass
@@ -137,29 +153,54 @@ def _wait(check, within: float, what: str):
     raise AssertionError(f"{what} not within {within} s: {last!r}")
 
 
+def _residents(api: httpx.Client, name: str) -> dict[str, Resident]:
+    """A long-lived sandbox on each runtime, with a network, a process of its own and a file."""
+    out = {}
+    for runtime in RUNTIMES:
+        sb = create(api, network={"egress": "all"}, runtime=runtime, **RESIDENT[runtime])
+        pid = background(api, sb["id"], "sleep 100000")  # an exec's own leftovers end with it
+        api.put(f"/sandboxes/{sb['id']}/files", params={"path": "/resident.txt"}, content=name.encode())
+        out[runtime] = Resident(sb["id"], pid, address(api, sb["id"]))
+    return out
+
+
+def _listening(api: httpx.Client, sandbox_id: str, ip: object) -> str:
+    out = sh(api, sandbox_id, f"nc -w 2 {ip} 8080 </dev/null")["stdout"]
+    return out if "listening" in out else ""
+
+
+def _kept(api: httpx.Client, resident: Resident, content: str) -> None:
+    """The resident runs, with its process and its file."""
+    assert api.get(f"/sandboxes/{resident.id}").json()["status"] == "running"
+    got = sh(api, resident.id, f"kill -0 {resident.pid} && cat /resident.txt")
+    assert got["exit_code"] == 0 and got["stdout"] == content, got
+
+
 def test_two_hangars_side_by_side_under_load_never_touch_each_other(stacks, report):
     a, b = stacks
     with a.api() as api_a, b.api() as api_b:
-        # Each a long-lived sandbox with a network, a process of its own and a file.
-        residents = {}
-        for name, api in (("a", api_a), ("b", api_b)):
-            sb = create(api, network={"egress": "all"})
-            pid = background(api, sb["id"], "sleep 100000")  # an exec's own leftovers end with it
-            api.put(f"/sandboxes/{sb['id']}/files", params={"path": "/resident.txt"}, content=name.encode())
-            residents[name] = (sb["id"], pid, address(api, sb["id"]))
-        b_id, b_pid, b_addr = residents["b"]
-        a_id, _, a_addr = residents["a"]
-        # Their pools are their own: no address of one node's range is in the other's.
-        a_net, b_net = a.address_pool(), b.address_pool()
-        assert not a_net.overlaps(b_net), (a_net, b_net)
-        assert a_addr.ip in a_net and b_addr.ip in b_net, (a_addr, a_net, b_addr, b_net)
-        # And neither's sandbox reaches the other's (a listener in B, a connection from A).
-        background(api_b, b_id, "nc -ll -p 8080 -e echo listening")
-        own = _wait(lambda: "listening" in (out := sh(api_b, b_id, f"nc -w 2 {b_addr.ip} 8080 </dev/null")["stdout"])
-                    and out, 15, "B's listener on its own address")  # fmt: skip
-        assert "listening" in own
-        reached = sh(api_a, a_id, f"nc -w 2 {b_addr.ip} 8080 </dev/null; echo rc=$?")["stdout"]
-        assert "listening" not in reached, reached
+        res_a, res_b = _residents(api_a, "a"), _residents(api_b, "b")
+        # Their pools are their own: no address range of one node (one per runtime) overlaps
+        # another's, and each resident's address is in its node's pool for its runtime.
+        pools = {(s, rt): stack.address_pool(rt) for s, stack in (("a", a), ("b", b)) for rt in RUNTIMES}
+        for (one, net), (other, other_net) in itertools.combinations(pools.items(), 2):
+            assert not net.overlaps(other_net), (one, net, other, other_net)
+        for rt in RUNTIMES:
+            assert res_a[rt].addr.ip in pools["a", rt] and res_b[rt].addr.ip in pools["b", rt], (rt, pools)
+        # And no sandbox of A's reaches one of B's (a listener in each of B's, a connection from
+        # each of A's), while B's own sandbox does.
+        for rt, target in res_b.items():
+            background(api_b, target.id, "nc -ll -p 8080 -e echo listening")
+            ip = target.addr.ip
+            own = _wait(
+                functools.partial(_listening, api_b, target.id, ip),
+                30,
+                f"B's {rt} listener on its own address",
+            )
+            assert "listening" in own
+            for src_rt, source in res_a.items():
+                reached = sh(api_a, source.id, f"nc -w 2 {ip} 8080 </dev/null; echo rc=$?")["stdout"]
+                assert "listening" not in reached, (src_rt, rt, reached)
 
         until = time.monotonic() + LOAD_S
         loads = {"a": Load(a, until), "b": Load(b, until)}
@@ -180,18 +221,17 @@ def test_two_hangars_side_by_side_under_load_never_touch_each_other(stacks, repo
         )
         assert loads["a"].ops >= 1, f"A's load made no round at all: {loads['a'].errors[:5]}"
         # Both pools stayed apart under load.
-        assert all(ip in a_net for ip in loads["a"].addresses), loads["a"].addresses
-        assert all(ip in b_net for ip in loads["b"].addresses), loads["b"].addresses
+        assert all(ip in pools["a", "gvisor"] for ip in loads["a"].addresses), loads["a"].addresses
+        assert all(ip in pools["b", "gvisor"] for ip in loads["b"].addresses), loads["b"].addresses
 
-        # B's resident kept its process and its file through A's kill, start and reconcile.
-        assert api_b.get(f"/sandboxes/{b_id}").json()["status"] == "running"
-        got = sh(api_b, b_id, f"kill -0 {b_pid} && cat /resident.txt")
-        assert got["exit_code"] == 0 and got["stdout"] == "b", got
-        # A's own resident was re-adopted by its restart.
-        _wait(
-            lambda: api_a.get(f"/sandboxes/{a_id}").json()["status"] == "running", 60, "A's resident running"
-        )
-        assert sh(api_a, a_id, "cat /resident.txt")["stdout"] == "a"
+        # B's residents kept their processes and files through A's kill, start and reconcile.
+        for resident in res_b.values():
+            _kept(api_b, resident, "b")
+        # A's own residents were re-adopted by its restart.
+        for resident in res_a.values():
+            _wait(lambda r=resident: api_a.get(f"/sandboxes/{r.id}").json()["status"] == "running", 60,
+                  f"A's resident {resident.id} running")  # fmt: skip
+            assert sh(api_a, resident.id, "cat /resident.txt")["stdout"] == "a"
 
         # A deletes everything it has: nothing of A's is left on the host, and B's is all there.
         for sb in api_a.get("/sandboxes", params={"limit": 1000}).json():
@@ -207,13 +247,14 @@ def test_two_hangars_side_by_side_under_load_never_touch_each_other(stacks, repo
             or (kind in ("interfaces", "nftables") and hashlib.sha1(sid.encode()).hexdigest()[:8] in text)
         ]
         assert not leftovers, leftovers
-        assert b_id in host["processes"], "B's resident's runtime is gone from the host"
-        got = sh(api_b, b_id, f"kill -0 {b_pid} && cat /resident.txt")
-        assert got["exit_code"] == 0 and got["stdout"] == "b", got
+        for rt, resident in res_b.items():
+            assert resident.id in host["processes"], f"B's {rt} resident's runtime is gone from the host"
+            _kept(api_b, resident, "b")
     b_lat = sorted(loads["b"].latencies)
     report.held(
         "neighbours", "two Hangars under load; one SIGKILLed, started again and emptied beside the other",
         b_rounds=loads["b"].ops, b_errors=0, a_rounds=loads["a"].ops, a_errors_while_down=len(loads["a"].errors),
         a_back_s=round(a_back_s, 1), b_round_p50_s=round(statistics.median(b_lat), 2),
-        b_round_max_s=round(b_lat[-1], 2), pools=f"{a_net} / {b_net}",
+        b_round_max_s=round(b_lat[-1], 2), runtimes="+".join(RUNTIMES),
+        pools=" / ".join(f"{s} {rt} {net}" for (s, rt), net in pools.items()),
     )  # fmt: skip

@@ -128,3 +128,21 @@ def test_second_node_joins_and_runs_sandboxes(service_env, celery_worker, local_
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
         proc.wait(20)
+
+
+@requires_runsc
+def test_the_nodes_worker_heartbeats_from_a_thread_of_its_own(celery_worker, local_node):
+    """No beat runs here, and no heartbeat task is sent: the node's worker keeps its row's
+    heartbeat fresh itself (runtime.node.heartbeat), whatever its pool is doing, and a lost
+    node whose worker answers is back."""
+    from datetime import timedelta
+
+    from django.utils import timezone
+
+    stale = timezone.now() - timedelta(hours=1)
+    Node.objects.filter(id=local_node.id).update(heartbeat_at=stale, state=Node.State.LOST)
+    wait_until(
+        lambda: Node.objects.get(id=local_node.id).heartbeat_at > timezone.now() - timedelta(seconds=30),
+        30, what="a heartbeat from the node's worker",
+    )  # fmt: skip
+    wait_until(lambda: Node.objects.get(id=local_node.id).state == Node.State.READY, 10, what="the node back")

@@ -8,6 +8,7 @@ memory controllers' hierarchies) or v2 (unified)."""
 from __future__ import annotations
 
 import contextlib
+import time
 from pathlib import Path
 
 BASE = Path("/sys/fs/cgroup")
@@ -118,7 +119,21 @@ def pids(parent: str, sandbox_id: str, controller: str = "cpu") -> list[int]:
         return []
 
 
-def remove(parent: str, sandbox_id: str) -> None:
+def remove(parent: str, sandbox_id: str, wait_s: float = 10.0) -> None:
+    """The sandbox's cgroups gone, once QEMU has left them: a killed QEMU that this process did
+    not start (one re-adopted after a restart) cannot be waited for, and stays in its cgroup
+    while it exits (a large guest's memory takes a while to free), so the removal waits up to
+    ``wait_s`` for it rather than leaving the cgroup behind."""
+    deadline = time.monotonic() + wait_s
     for controller in ("cpu",) if _unified() else ("cpu", "memory"):
-        with contextlib.suppress(OSError):  # busy until QEMU is gone
-            cgroup_dir(parent, sandbox_id, controller).rmdir()
+        d = cgroup_dir(parent, sandbox_id, controller)
+        while True:
+            try:
+                d.rmdir()
+                break
+            except FileNotFoundError:
+                break
+            except OSError:  # busy until QEMU is gone
+                if time.monotonic() >= deadline:
+                    break
+                time.sleep(0.05)
