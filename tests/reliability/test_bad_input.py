@@ -88,25 +88,17 @@ def _schemathesis(server_process, local_node, tmp_path, report) -> None:
     # One worker: on CPython 3.11.7 (the one here) ast.parse is not thread-safe (gh-106905), and
     # hypothesis parses its filters' source from each of schemathesis's worker threads
     # ("SystemError: AST constructor recursion depth mismatch", a crash of the tool itself).
-    # The test stack runs no beat: the node's heartbeat is kept here, or after a minute it would
-    # count as offline and every create would be a 503.
-    done = threading.Event()
-    beat = threading.Thread(target=_heartbeat, args=(local_node.name, done), daemon=True)
-    beat.start()
+    # (The test node's worker keeps its heartbeat fresh: runtime/node/heartbeat.py.)
     # Its output goes to a file as it runs: a run that overstays shows where it stood.
     out_path = tmp_path / "st.out"
-    try:
-        with out_path.open("w") as out:
-            proc = subprocess.Popen(argv, cwd=tmp_path, stdout=out, stderr=subprocess.STDOUT, text=True)
-            try:
-                returncode = proc.wait(timeout=800)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-                returncode = None
-    finally:
-        done.set()
-        beat.join()
+    with out_path.open("w") as out:
+        proc = subprocess.Popen(argv, cwd=tmp_path, stdout=out, stderr=subprocess.STDOUT, text=True)
+        try:
+            returncode = proc.wait(timeout=800)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+            returncode = None
     stdout = out_path.read_text(errors="replace")
     print(stdout[-60000:])
     if returncode is None:
@@ -131,18 +123,6 @@ def _st_count(out: str, what: str) -> str:
     return m.group(1) if m else "?"
 
 
-def _heartbeat(node_name: str, done: threading.Event) -> None:
-    from django.db import connection
-
-    from runtime.services.nodes import node_heartbeat
-
-    try:
-        while not done.wait(5):
-            node_heartbeat(name=node_name)
-    finally:
-        connection.close()
-
-
 # -- the schema-driven sweep --------------------------------------------------------------------
 
 # Operations that end what the rest of the sweep needs (the sandbox it works in, the token it
@@ -164,69 +144,62 @@ def test_every_input_of_every_operation_gets_a_4xx_or_a_success_never_a_5xx(
 
     token = fuzz_owner()
     headers = {"Authorization": f"Bearer {token}"}
-    done = threading.Event()
-    beat = threading.Thread(target=_heartbeat, args=(local_node.name, done), daemon=True)
-    beat.start()
     failures: list[str] = []
     statuses: dict[int, int] = {}
     slowest = (0.0, "")
-    try:
-        with httpx.Client(base_url=f"{server}/api/v1", headers=headers, timeout=35) as http:
-            sandbox = http.post("/sandboxes", json={"image": "busybox", "memory_mb": 256, "timeout_s": 900})
-            assert sandbox.status_code == 201, sandbox.text
-            sid = sandbox.json()["id"]
-            # An ended process: its output stream, with nothing more to follow, ends at once.
-            proc = http.post(f"/sandboxes/{sid}/exec", json={"cmd": "echo done", "background": True})
-            time.sleep(1)
-            term = http.post(f"/sandboxes/{sid}/terminals", json={})
-            team_id = http.get("/tokens/current").json()["team_id"]
-            fill = {"sandbox_id": sid, "process_id": str(proc.json()["id"]), "terminal_id": term.json()["id"],
-                    "team_id": str(team_id)}  # fmt: skip
-            spec = ninja_api.get_openapi_schema(path_prefix="")
-            all_probes = sorted(probes(spec, fill), key=_order)
-            for probe in all_probes:
-                if re.search(r"tokens/\{|members/\{", probe.label):
-                    continue
-                before = _footprint(team_id, probe.path) if probe.method != "GET" else None
-                started = time.monotonic()
-                try:
-                    r = http.request(probe.method, probe.path, params=probe.params or None,
-                                     json=probe.body if probe.body is not None else None)  # fmt: skip
-                except (httpx.TimeoutException, httpx.TransportError) as exc:
-                    failures.append(f"{probe.label}: no answer ({type(exc).__name__})")
-                    continue
-                except (ValueError, TypeError):
-                    continue  # a value httpx itself will not encode (inf): nothing reached the server
-                took = time.monotonic() - started
-                slowest = max(slowest, (took, probe.label))
-                statuses[r.status_code] = statuses.get(r.status_code, 0) + 1
-                if r.status_code >= 500:
-                    failures.append(f"{probe.label}: {r.status_code} {r.text[:200]}")
-                elif r.status_code >= 400 and not _has_message(r):
-                    failures.append(f"{probe.label}: {r.status_code} without a message: {r.text[:200]}")
-                elif (
-                    probe.refused
-                    and r.status_code not in (401, 403)
-                    and (  # (refused before the body is read)
-                        r.status_code != 422 or probe.refused not in r.json()["detail"]
-                    )
-                ):
-                    failures.append(
-                        f"{probe.label}: {r.status_code}, not a 422 naming {probe.refused}: {r.text[:200]}"
-                    )
-                elif took > 30:
-                    failures.append(f"{probe.label}: {took:.1f} s")
-                if (
-                    before is not None
-                    and r.status_code >= 400
-                    and (after := _footprint(team_id, probe.path)) != before
-                ):
-                    failures.append(
-                        f"{probe.label}: refused ({r.status_code}) but left rows behind: {before} -> {after}"
-                    )
-    finally:
-        done.set()
-        beat.join()
+    with httpx.Client(base_url=f"{server}/api/v1", headers=headers, timeout=35) as http:
+        sandbox = http.post("/sandboxes", json={"image": "busybox", "memory_mb": 256, "timeout_s": 900})
+        assert sandbox.status_code == 201, sandbox.text
+        sid = sandbox.json()["id"]
+        # An ended process: its output stream, with nothing more to follow, ends at once.
+        proc = http.post(f"/sandboxes/{sid}/exec", json={"cmd": "echo done", "background": True})
+        time.sleep(1)
+        term = http.post(f"/sandboxes/{sid}/terminals", json={})
+        team_id = http.get("/tokens/current").json()["team_id"]
+        fill = {"sandbox_id": sid, "process_id": str(proc.json()["id"]), "terminal_id": term.json()["id"],
+                "team_id": str(team_id)}  # fmt: skip
+        spec = ninja_api.get_openapi_schema(path_prefix="")
+        all_probes = sorted(probes(spec, fill), key=_order)
+        for probe in all_probes:
+            if re.search(r"tokens/\{|members/\{", probe.label):
+                continue
+            before = _footprint(team_id, probe.path) if probe.method != "GET" else None
+            started = time.monotonic()
+            try:
+                r = http.request(probe.method, probe.path, params=probe.params or None,
+                                 json=probe.body if probe.body is not None else None)  # fmt: skip
+            except (httpx.TimeoutException, httpx.TransportError) as exc:
+                failures.append(f"{probe.label}: no answer ({type(exc).__name__})")
+                continue
+            except (ValueError, TypeError):
+                continue  # a value httpx itself will not encode (inf): nothing reached the server
+            took = time.monotonic() - started
+            slowest = max(slowest, (took, probe.label))
+            statuses[r.status_code] = statuses.get(r.status_code, 0) + 1
+            if r.status_code >= 500:
+                failures.append(f"{probe.label}: {r.status_code} {r.text[:200]}")
+            elif r.status_code >= 400 and not _has_message(r):
+                failures.append(f"{probe.label}: {r.status_code} without a message: {r.text[:200]}")
+            elif (
+                probe.refused
+                and r.status_code not in (401, 403)
+                and (  # (refused before the body is read)
+                    r.status_code != 422 or probe.refused not in r.json()["detail"]
+                )
+            ):
+                failures.append(
+                    f"{probe.label}: {r.status_code}, not a 422 naming {probe.refused}: {r.text[:200]}"
+                )
+            elif took > 30:
+                failures.append(f"{probe.label}: {took:.1f} s")
+            if (
+                before is not None
+                and r.status_code >= 400
+                and (after := _footprint(team_id, probe.path)) != before
+            ):
+                failures.append(
+                    f"{probe.label}: refused ({r.status_code}) but left rows behind: {before} -> {after}"
+                )
     assert not failures, f"{len(failures)} bad answers:\n" + "\n".join(failures[:80])
     report.held("bad input", "every operation × input × breaking value: a 4xx with a message or a success",
                 requests=sum(statuses.values()), statuses=dict(sorted(statuses.items())),

@@ -69,19 +69,6 @@ def _owner(n: int) -> str:
     return token_create(user=user, team=team).raw
 
 
-def _heartbeat(node_name: str, done: threading.Event) -> None:
-    """The test stack runs no beat: without this the node counts as lost after 30 s."""
-    from django.db import connection
-
-    from runtime.services.nodes import node_heartbeat
-
-    try:
-        while not done.wait(5):
-            node_heartbeat(name=node_name)
-    finally:
-        connection.close()
-
-
 def _create(server: str, token: str) -> tuple[dict[str, Any], float]:
     started = time.monotonic()
     r = httpx.post(
@@ -153,16 +140,11 @@ def test_a_hundred_sandboxes_fifty_clients_and_twenty_terminals_without_an_error
 ):
     assert HAS_LOCUST, "locust is not installed: it is in the test extra (make install)"
     server = server_process.url
-    done = threading.Event()
-    beat = threading.Thread(target=_heartbeat, args=(local_node.name, done), daemon=True)
-    beat.start()
     tokens = [_owner(n) for n in range(TEAMS)]
     try:
         _run(server, tokens, server_process, celery_worker, bridge, tmp_path, report)
     finally:
         took = _delete_all(server, tokens)
-        done.set()
-        beat.join()
     report.held(
         "load", f"{SANDBOXES} sandboxes deleted through the API (10 at a time)", total_s=round(took, 1)
     )
