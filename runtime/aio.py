@@ -49,15 +49,12 @@ async def within(awaitable: Awaitable[T], seconds: float | None) -> T:
 async def stop(*tasks: asyncio.Future[Any] | None) -> None:
     """Cancel ``tasks`` and wait until they have ended; what they ended with is dropped (they
     were being stopped). The caller's own cancellation, arriving meanwhile, is raised."""
-    running = [t for t in tasks if t is not None and not t.done()]
-    for t in running:
-        t.cancel()
-        t.add_done_callback(_retrieve)  # also when the caller stops waiting for it
-    if running:
+    given = [t for t in tasks if t is not None]
+    for t in given:
+        t.cancel()  # nothing, for one already done
+        t.add_done_callback(_retrieve)  # read also when the caller stops waiting for it
+    if running := [t for t in given if not t.done()]:
         await asyncio.wait(running)  # raises CancelledError if the caller is cancelled
-    for ended in tasks:
-        if ended is not None and ended.done():
-            _retrieve(ended)
 
 
 def _retrieve(task: asyncio.Future[Any]) -> None:

@@ -69,13 +69,13 @@ def test_schemathesis_finds_nothing(service_env, celery_worker, bridge, local_no
     # lines every 15 s would keep it waiting (past --max-time) for as long as the stream lasts.
     server_process = start_server({**service_env, "HANGAR_STREAM_KEEPALIVE_S": "45"})
     try:
-        _schemathesis(server_process, local_node, tmp_path, report)
+        _schemathesis(server_process, tmp_path, report)
     finally:
         _stop(server_process)
         server_process.log.close()
 
 
-def _schemathesis(server_process, local_node, tmp_path, report) -> None:
+def _schemathesis(server_process, tmp_path, report) -> None:
     server = server_process.url
     token = fuzz_owner()
 
