@@ -64,6 +64,8 @@ def test_the_list_and_a_harness_page_show_state_repository_ssh_command_runs_and_
     assert 'id="new-terminal"' in page and 'id="run-form"' in page and 'id="pause-button"' in page
     # Claude Code with no ANTHROPIC_API_KEY among its secrets: the page says so.
     assert 'id="harness-credentials"' in page
+    # One click to their traces, from the harness, its run and its sandbox.
+    assert f'href="/traces/?harness={harness.id}"' in page
 
     page = client.get(f"/runs/{run.id}/").content.decode()
     assert (
@@ -71,6 +73,11 @@ def test_the_list_and_a_harness_page_show_state_repository_ssh_command_runs_and_
         and '<span class="d+">+added</span>' in page
         and '<span class="d-">-removed' in page
     )
+    from runtime.services.spans import run_trace
+
+    assert f'href="/traces/{run_trace(run.id).trace_id}/"' in page and f'href="/traces/?run={run.id}"' in page
+    page = client.get(f"/sandboxes/{harness.sandbox_id}/").content.decode()
+    assert f'href="/traces/?sandbox={harness.sandbox_id}"' in page
 
     polled = client.get(f"/harnesses/{harness.id}/log/?after=0").content.decode()
     assert "cloning" in polled and "harness-log-poll" in polled

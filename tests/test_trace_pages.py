@@ -9,11 +9,12 @@ import json
 import re
 import secrets
 import time
+from datetime import UTC, datetime, timedelta
 
 import pytest
 from django.contrib.auth import get_user_model
 
-from runtime.models import Exec, Membership, Sandbox, Team
+from runtime.models import Exec, Membership, Sandbox, Team, TraceSpan
 from runtime.services import otlp, traces
 
 
@@ -84,6 +85,25 @@ def test_the_traces_page_lists_and_filters_the_teams_traces(client, crew):
     assert trace_id in errors and quiet not in errors
     assert quiet not in client.get("/traces/", {"service": "agent"}).content.decode()
     assert client.get("/traces/", {"from": "not a date"}).status_code == 200  # a message, not an error page
+    # Tied to a sandbox, a harness and a run; long; and by time.
+    tied = _store(crew, [{"id": secrets.token_hex(8), "name": "sandbox.create", "ms": 900,
+                          "attrs": {"hangar.sandbox.id": "sbpage1", "hangar.harness.id": "hpage1", "hangar.run.id": "rpage1"}}],
+                  service="hangar")  # fmt: skip
+    for key, value in (
+        ("sandbox", "sbpage1"),
+        ("harness", "hpage1"),
+        ("run", "rpage1"),
+        ("min_duration_ms", "500"),
+    ):
+        listed = client.get("/traces/", {key: value}).content.decode()
+        assert tied in listed and trace_id not in listed and quiet not in listed, key
+
+    def at(hours: float) -> str:
+        return (datetime.now(UTC) + timedelta(hours=hours)).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+    later = client.get("/traces/", {"from": at(1), "to": at(2)}).content.decode()
+    assert "<td" in later and tied not in later and trace_id not in later
+    assert tied in client.get("/traces/", {"from": at(-1), "to": at(1)}).content.decode()
 
 
 def test_a_trace_page_renders_the_waterfall_on_the_server_and_the_span_panel(client, crew):
@@ -109,6 +129,37 @@ def test_a_trace_page_renders_the_waterfall_on_the_server_and_the_span_panel(cli
     )
     tool_panel = client.get(f"/traces/{trace_id}/spans/{ids['tool']}/").content.decode()
     assert "tool.result" in tool_panel and "error" in tool_panel
+
+
+def test_log_records_are_on_the_spans_timeline_and_kinds_are_coloured(client, crew):
+    client.force_login(_member("vera", crew))
+    trace_id, ids = _agent_trace(crew)
+    root = TraceSpan.objects.get(trace_id=trace_id, span_id=ids["root"])
+    logs = {"resourceLogs": [{"resource": {"attributes": _kv({"service.name": "agent"})}, "scopeLogs": [{"logRecords": [
+        {"timeUnixNano": str(root.start_ns + 25_000_000), "traceId": trace_id, "spanId": ids["chat"],
+         "severityText": "INFO", "body": {"stringValue": "model answered"}},
+        {"timeUnixNano": str(root.start_ns + 75_000_000), "traceId": trace_id, "severityText": "WARN",
+         "body": {"stringValue": "tool failed"}},
+    ]}]}]}  # fmt: skip
+    traces.logs_store(
+        team=crew, decoded=otlp.log_rows(otlp.parse("logs", json.dumps(logs).encode(), "application/json"))
+    )
+    trace = traces.trace_get(team=crew, trace_id=trace_id)[0]
+    html = client.get(f"/traces/{trace_id}/").content.decode()
+    marks = re.findall(r'class="wf-row wf-log"[^>]*>\s*<div class="wf-name"><span class="badge">(\w+)</span> '
+                       r'<span class="wf-label">([^<]+)</span></div>\s*<div class="wf-track"><div class="wf-mark" '
+                       r'style="left: ([0-9.]+)%"', html)  # fmt: skip
+    total = trace.end_ns - trace.start_ns
+    assert [(sev, body) for sev, body, _ in marks] == [("INFO", "model answered"), ("WARN", "tool failed")], (
+        html
+    )
+    for (_, _, left), at in zip(marks, (25_000_000, 75_000_000), strict=True):
+        assert float(left) == pytest.approx(100 * (root.start_ns + at - trace.start_ns) / total, abs=0.01)
+    # A record tied to a span is in that span's panel too.
+    assert "model answered" in client.get(f"/traces/{trace_id}/spans/{ids['chat']}/").content.decode()
+    # Hangar's lifecycle spans are coloured as such.
+    lifecycle = _store(crew, [{"id": secrets.token_hex(8), "name": "sandbox.create"}], service="hangar")
+    assert "wf-bar lifecycle" in client.get(f"/traces/{lifecycle}/").content.decode()
 
 
 def test_another_teams_trace_and_span_are_not_found(client, crew):

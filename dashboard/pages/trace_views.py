@@ -115,7 +115,9 @@ def trace_detail(request: HttpRequest, trace_id: str) -> HttpResponse:
     page = page[:PAGE_SPANS]
     total = max(trace.end_ns - trace.start_ns, 1)
     logs = [
-        {"log": r, "left": 100 * (r.time_ns - trace.start_ns) / total, "at_ms": (r.time_ns - trace.start_ns) / 1e6}
+        # On the spans' time axis (a record of the run's from before or after its spans: at an end).
+        {"log": r, "left": min(100.0, max(0.0, 100 * (r.time_ns - trace.start_ns) / total)),
+         "at_ms": (r.time_ns - trace.start_ns) / 1e6}
         for r in logs_qs[:500]
     ]  # fmt: skip
     context = {

@@ -38,7 +38,7 @@ def node_sandbox_start(*, sandbox_id: str, traceparent: str = "") -> None:
     if sandbox is None:
         return
     parent = spans.parse_traceparent(traceparent)
-    with spans.span("sandbox.start", team_id=sandbox.team_id, sandbox_id=sandbox_id, parent=parent,
+    with spans.span("sandbox.start", **spans.of(sandbox), parent=parent,
                     attributes={"hangar.node": local_node_name(), "hangar.image": sandbox.image}):  # fmt: skip
         _boot(sandbox_id, S.STARTING, sandbox)
 
@@ -52,7 +52,7 @@ def _steps(launch: spans.OpenSpan, steps: list[tuple[str, int, int]], sandbox: S
         spans.record(f"sandbox.start.{name}", team_id=sandbox.team_id,
                      context=spans.SpanContext(launch.context.trace_id, spans.new_span_id()),
                      parent_span_id=launch.context.span_id, start_ns=start_ns, end_ns=end_ns,
-                     attributes={spans.SANDBOX_KEY: sandbox.id})  # fmt: skip
+                     attributes=spans.tie_attributes(sandbox))  # fmt: skip
 
 
 def _phase(name: str, sandbox: Sandbox) -> Any:
@@ -61,7 +61,7 @@ def _phase(name: str, sandbox: Sandbox) -> Any:
         return contextlib.nullcontext(
             spans.OpenSpan(name, sandbox.team_id, spans.SpanContext("", ""), "", 0, 0)
         )
-    return spans.span(f"sandbox.start.{name}", team_id=sandbox.team_id, sandbox_id=sandbox.id)
+    return spans.span(f"sandbox.start.{name}", **spans.of(sandbox))
 
 
 def _boot(sandbox_id: str, frm: str, sandbox: Sandbox | None = None) -> None:

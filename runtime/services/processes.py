@@ -172,7 +172,7 @@ async def _process_start(
         )  # fmt: skip
         return row, full
 
-    with spans.span("process.start", team_id=sandbox.team_id, sandbox_id=sandbox.id,
+    with spans.span("process.start", **spans.of(sandbox),
                     attributes={"process.command_args": argv, "hangar.process.tty": tty}) as traced:  # fmt: skip
         row, follower = await _launch(sandbox, create, argv, env, cwd, tty, rows, cols, timeout_s, stdin,
                                       stdin_open, mask, follow)  # fmt: skip
@@ -262,7 +262,7 @@ async def terminal_open(
             created_by=user if user is not None and user.is_authenticated else None,
         )  # fmt: skip
 
-    with spans.span("terminal.open", team_id=sandbox.team_id, sandbox_id=sandbox.id,
+    with spans.span("terminal.open", **spans.of(sandbox),
                     attributes={"process.command_args": argv}) as traced:  # fmt: skip
         row = await _open_terminal(sandbox, create, argv, env, cwd, rows, cols)
         traced.set({"hangar.terminal.id": row.id, "process.pid": row.pid})

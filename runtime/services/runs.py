@@ -135,6 +135,7 @@ def _trace_end(run: Run) -> None:
         "invoke_agent", team_id=h.team_id, context=root, parent_span_id="",
         start_ns=spans.ns(run.created_at), end_ns=end,
         attributes={**ties, "gen_ai.operation.name": "invoke_agent", "gen_ai.agent.name": h.agent,
+                    "gen_ai.agent.id": h.id, "gen_ai.conversation.id": run.id,
                     "hangar.run.status": run.status, "process.exit_code": run.exit_code},
         error="" if run.status == Run.Status.SUCCEEDED else (run.error or run.status), kind=spans.SERVER,
     )  # fmt: skip

@@ -111,7 +111,7 @@ def sandbox_exec(
     )  # fmt: skip
     max_output = settings.HANGAR_EXEC_MAX_OUTPUT_BYTES
     req = ExecRequest(argv=argv, env=env, cwd=cwd, stdin=stdin, timeout=timeout_s, max_output=max_output)
-    with spans.span("exec", team_id=sandbox.team_id, sandbox_id=sandbox.id,
+    with spans.span("exec", **spans.of(sandbox),
                     attributes={"process.command_args": argv, "process.working_directory": cwd or ""}) as traced:  # fmt: skip
         outcome = _exec(sandbox, row, req, argv, keep_output)
         result = outcome.result
@@ -185,6 +185,7 @@ def sandbox_file_read(
     return entry, _file_chunks(sandbox, chunks)
 
 
+@spans.traced("file.list")
 def sandbox_file_list(*, sandbox: Sandbox, path: str, no_pseudo_fs: bool = False) -> list[FileEntry]:
     """List a directory inside the sandbox (``no_pseudo_fs`` as for :func:`sandbox_file_read`)."""
     path = _check_path(path)

@@ -110,6 +110,16 @@ def _require(sandbox: Sandbox, capability: str) -> None:
         raise InvalidValue(CANNOT[capability].format(runtime=sandbox.runtime))
 
 
+def _network_asked(kwargs: dict[str, Any]) -> dict[str, Any]:
+    asked = kwargs.get("network")
+    net: dict[str, Any] = asked if isinstance(asked, dict) else {}
+    listed = net.get("allow")
+    allow: list[Any] = listed if isinstance(listed, list) else []
+    return {"hangar.network.egress": str(net.get("egress", "none")),
+            "hangar.network.allow": [str(a) for a in allow][:100]}  # fmt: skip
+
+
+@spans.traced("sandbox.network", _network_asked)
 def sandbox_set_network(*, sandbox: Sandbox, network: dict[str, Any] | None) -> Sandbox:
     """Change the sandbox's egress policy: at once if it runs with a network (one nftables
     transaction on its node), else from its next start."""

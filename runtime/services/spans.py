@@ -52,6 +52,9 @@ class SpanContext:
 
 # The caller's span (from traceparent) or the innermost of Hangar's own spans now open.
 PARENT: ContextVar[SpanContext | None] = ContextVar("hangar_span_parent", default=None)
+# Set inside :func:`silenced`: spans opened there are not noted (a watcher's polls, the inner
+# listings of one deep listing), while the span around them is.
+SILENT: ContextVar[bool] = ContextVar("hangar_spans_silent", default=False)
 
 
 def parse_traceparent(value: str | None) -> SpanContext | None:
@@ -117,6 +120,31 @@ def _ties(sandbox_id: str, run_id: str, harness_id: str) -> dict[str, str]:
     return {k: v for k, v in ((SANDBOX_KEY, sandbox_id), (RUN_KEY, run_id), (HARNESS_KEY, harness_id)) if v}
 
 
+def of(sandbox: Any) -> dict[str, Any]:
+    """:func:`span`'s ties for an operation on ``sandbox``: its team, its id, and its harness's id
+    when it is a harness's sandbox (which its metadata says: only Hangar writes that key), so
+    ``GET /traces?harness=`` finds what was done to a harness's sandbox, not only its runs."""
+    harness = (sandbox.metadata or {}).get("harness") if isinstance(sandbox.metadata, dict) else None
+    return {"team_id": sandbox.team_id, "sandbox_id": sandbox.id,
+            "harness_id": harness if isinstance(harness, str) else ""}  # fmt: skip
+
+
+def tie_attributes(sandbox: Any) -> dict[str, str]:
+    """:func:`of` as a span's attributes (for :func:`record`)."""
+    ties = of(sandbox)
+    return _ties(ties["sandbox_id"], "", ties["harness_id"])
+
+
+@contextlib.contextmanager
+def silenced() -> Iterator[None]:
+    """Spans opened inside the block are not noted (see :data:`SILENT`)."""
+    token = SILENT.set(True)
+    try:
+        yield
+    finally:
+        SILENT.reset(token)
+
+
 @contextlib.contextmanager
 def span(
     name: str,
@@ -130,12 +158,16 @@ def span(
     parent: SpanContext | None = None,
 ) -> Iterator[OpenSpan]:
     """Note a span around the block (a child of ``parent``, else of :data:`PARENT`, else a new
-    trace's root); an exception that leaves the block marks it failed, and is raised on."""
+    trace's root); an exception that leaves the block marks it failed, and is raised on. Inside
+    :func:`silenced`, the block runs with nothing noted."""
     up = parent or PARENT.get()
     ctx = SpanContext(up.trace_id if up else secrets.token_hex(16), secrets.token_hex(8))
     opened = OpenSpan(name=name, team_id=team_id, context=ctx, parent_span_id=up.span_id if up else "",
                       kind=kind, start_ns=time.time_ns(),
                       attributes={**_ties(sandbox_id, run_id, harness_id), **(attributes or {})})  # fmt: skip
+    if SILENT.get():
+        yield opened
+        return
     token = PARENT.set(ctx)
     try:
         yield opened
@@ -147,8 +179,11 @@ def span(
         note(opened, time.time_ns())
 
 
-def traced(name: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-    """A service that takes ``sandbox=`` (or ``team=``, and returns a sandbox) noted as a span."""
+def traced(
+    name: str, attributes: Callable[[dict[str, Any]], dict[str, Any]] | None = None
+) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """A service that takes ``sandbox=`` (or ``team=``, and returns a sandbox) noted as a span;
+    ``attributes(kwargs)`` adds what the call was asked (a ``path=`` is ``file.path`` anyway)."""
 
     def wrap(fn: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(fn)
@@ -157,9 +192,11 @@ def traced(name: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
             team_id = sandbox.team_id if sandbox is not None else getattr(team, "id", None)
             if team_id is None:
                 return fn(*args, **kwargs)
-            attributes = {"file.path": kwargs["path"]} if isinstance(kwargs.get("path"), str) else None
-            with span(name, team_id=team_id, sandbox_id=sandbox.id if sandbox is not None else "",
-                      attributes=attributes) as opened:  # fmt: skip
+            asked = {"file.path": kwargs["path"]} if isinstance(kwargs.get("path"), str) else {}
+            if attributes is not None:
+                asked.update(attributes(kwargs))
+            ties = of(sandbox) if sandbox is not None else {"team_id": team_id}
+            with span(name, **ties, attributes=asked) as opened:
                 result = fn(*args, **kwargs)
                 if sandbox is None and getattr(result, "id", None):
                     opened.attributes[SANDBOX_KEY] = result.id

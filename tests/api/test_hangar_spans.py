@@ -74,6 +74,10 @@ def test_a_create_and_an_exec_under_a_callers_span_are_traced(api, server, team_
     assert spans["sandbox.start"]["attributes"]["hangar.sandbox.id"] == sb["id"]
     assert spans["sandbox.create"]["service"] == "hangar"
 
+    # A secret of the team's, which a command names on its command line: masked in the span.
+    r = api.post("/secrets", json={"name": "TRACED_SECRET", "value": "hush-0123456789"})
+    assert r.status_code == 201, r.text
+
     # An agent's tool call runs a command in the sandbox, passing its span on.
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_HEADERS", f"Authorization=Bearer {team_token}")
     provider = TracerProvider(resource=Resource.create({"service.name": "tool-caller"}))
@@ -90,13 +94,46 @@ def test_a_create_and_an_exec_under_a_callers_span_are_traced(api, server, team_
             f"/sandboxes/{sb['id']}/files", params={"path": "/tmp/a.txt"}, content=b"abc", headers=headers
         )
         assert r.status_code in (200, 201, 204), r.text
+        r = api.get(f"/sandboxes/{sb['id']}/files/list", params={"path": "/tmp"}, headers=headers)
+        assert r.status_code == 200 and "/tmp/a.txt" in [e["path"] for e in r.json()], r.text
+        r = api.put(f"/sandboxes/{sb['id']}/network", headers=headers,
+                    json={"egress": "allowlist", "allow": ["198.18.0.5"]})  # fmt: skip
+        assert r.status_code == 200, r.text
+        assert api.post(f"/sandboxes/{sb['id']}/exec", headers=headers,
+                        json={"cmd": "echo hush-0123456789"}).json()["exit_code"] == 0  # fmt: skip
+        # A create made inside the caller's span: its whole tree under it.
+        child = api.post("/sandboxes", headers=headers, json={"image": "busybox", "memory_mb": 128}).json()
+        assert child["status"] == "running", child
     provider.force_flush()
     provider.shutdown()
     trace_id = format(tool.get_span_context().trace_id, "032x")
     tool_id = format(tool.get_span_context().span_id, "016x")
 
-    spans = _trace(api, trace_id, {"execute_tool", "exec", "file.write"})
-    assert spans["exec"]["parent_span_id"] == tool_id and spans["file.write"]["parent_span_id"] == tool_id
+    names = {
+        "execute_tool",
+        "exec",
+        "file.write",
+        "file.list",
+        "sandbox.network",
+        "sandbox.create",
+        "sandbox.start",
+    }
+    spans = _trace(api, trace_id, names)
+    for name in ("exec", "file.write", "file.list", "sandbox.network", "sandbox.create"):
+        assert spans[name]["parent_span_id"] == tool_id, name
+    assert spans["sandbox.start"]["parent_span_id"] == spans["sandbox.create"]["span_id"]
+    assert spans["sandbox.create"]["attributes"]["hangar.sandbox.id"] == child["id"]
+    assert spans["file.list"]["attributes"]["file.path"] == "/tmp"
+    network = spans["sandbox.network"]["attributes"]
+    assert network["hangar.network.egress"] == "allowlist" and network["hangar.network.allow"] == [
+        "198.18.0.5"
+    ]
+    everything = api.get(f"/traces/{trace_id}").json()
+    execs = [x for x in everything["spans"] if x["name"] == "exec"]
+    assert ["/bin/sh", "-c", "echo ***"] in [x["attributes"]["process.command_args"] for x in execs]
+    assert "hush-0123456789" not in json.dumps(everything)
+    api.delete(f"/sandboxes/{child['id']}")
+    spans |= {x["name"]: x for x in execs if x["attributes"]["process.exit_code"] == 3}  # the first exec
     attrs = spans["exec"]["attributes"]
     assert attrs["process.command_args"] == ["/bin/sh", "-c", "echo hi; exit 3"]
     assert attrs["process.exit_code"] == 3 and attrs["hangar.sandbox.id"] == sb["id"]

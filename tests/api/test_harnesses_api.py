@@ -113,6 +113,16 @@ def test_a_repository_is_cloned_a_run_edits_it_and_pause_resume_keeps_the_edit(
     assert "+add a usage section" in run["diff"].split("+++ b/from-stdin.txt")[1]
     assert ".hangar" not in run["diff"]
     assert f"run {run['id']} succeeded" in log_text(api, h["id"])
+    # The run's trace: its diff under its root, the run as the GenAI conversation; the harness's
+    # traces hold the plain commands run in its sandbox too (tied to it by its sandbox), not only its runs.
+    from .test_hangar_spans import _trace
+
+    spans = _trace(api, run["trace_id"], {"invoke_agent", "run.diff"})
+    assert spans["run.diff"]["parent_span_id"] == spans["invoke_agent"]["span_id"]
+    assert spans["run.diff"]["attributes"]["hangar.run.id"] == run["id"]
+    assert spans["invoke_agent"]["attributes"]["gen_ai.conversation.id"] == run["id"]
+    roots = {t["root_name"] for t in api.get("/traces", params={"harness": h["id"]}).json()}
+    assert {"invoke_agent", "exec"} <= roots, roots
 
     # The agent's own config lives in its HOME, on the volume.
     config = 'mkdir -p "$HOME/.claude" && echo \'{"theme": "dark"}\' > "$HOME/.claude/settings.json"'

@@ -166,6 +166,33 @@ def test_otlp_json_gzip_and_logs_joining_the_trace(server, team_token):
         server, team_token, run_trace["resourceSpans"][0]["scopeSpans"][0]["spans"][0]["traceId"], 1
     )
     assert [entry["body"] for entry in got["logs"]] == ["no trace: the run's timeline"], got["logs"]
+    # A record that names only a sandbox joins the traces of that sandbox it falls within.
+    sandbox_trace = _json_trace(pysecrets.token_hex(16), pysecrets.token_hex(8))
+    sandbox_trace["resourceSpans"][0]["resource"]["attributes"].append(
+        {"key": "hangar.sandbox.id", "value": {"stringValue": "sblogjoin1"}}
+    )
+    inside = (
+        int(sandbox_trace["resourceSpans"][0]["scopeSpans"][0]["spans"][0]["startTimeUnixNano"]) + 1_000_000
+    )
+    by_sandbox = {"resourceLogs": [{"resource": {"attributes": [{"key": "hangar.sandbox.id", "value": {"stringValue": "sblogjoin1"}}]},
+                  "scopeLogs": [{"logRecords": [
+                      {"timeUnixNano": str(inside), "body": {"stringValue": "within the sandbox's trace"}},
+                      {"timeUnixNano": str(inside - 3_600_000_000_000), "body": {"stringValue": "an hour before it"}},
+                  ]}]}]}  # fmt: skip
+    assert (
+        _post(server, team_token, "/v1/logs", json.dumps(by_sandbox).encode(), "application/json").status_code
+        == 200
+    )
+    assert (
+        _post(
+            server, team_token, "/v1/traces", json.dumps(sandbox_trace).encode(), "application/json"
+        ).status_code
+        == 200
+    )
+    got = _wait_trace(
+        server, team_token, sandbox_trace["resourceSpans"][0]["scopeSpans"][0]["spans"][0]["traceId"], 1
+    )
+    assert [entry["body"] for entry in got["logs"]] == ["within the sandbox's trace"], got["logs"]
     # A span with a bad id is rejected alone: a partial success that says why.
     bad = _json_trace(pysecrets.token_hex(16), "")
     r = _post(server, team_token, "/v1/traces", json.dumps(bad).encode(), "application/json")
@@ -258,6 +285,21 @@ def test_secrets_are_masked_and_large_values_cut_and_kept(server, team_token):
         list(TraceSpan.objects.filter(trace_id=trace_id).values()), default=str
     )
     assert len(attrs["gen_ai.prompt"]) == 16 * 1024
+    # Ingested log records are masked alike: their bodies and attributes.
+    record = {"timeUnixNano": str(time.time_ns()), "traceId": trace_id,
+              "body": {"stringValue": "calling with key sk-live-supersecret-123"},
+              "attributes": [{"key": "api.key", "value": {"stringValue": "sk-live-supersecret-123"}}]}  # fmt: skip
+    logs = {"resourceLogs": [{"resource": {"attributes": []}, "scopeLogs": [{"logRecords": [record]}]}]}
+    assert (
+        _post(server, team_token, "/v1/logs", json.dumps(logs).encode(), "application/json").status_code
+        == 200
+    )
+    wait_until(lambda: TraceLog.objects.filter(trace_id=trace_id).exists(), timeout=5)
+    got = _get(server, team_token, f"/traces/{trace_id}").json()["logs"]
+    assert got[0]["body"] == "calling with key ***" and got[0]["attributes"]["api.key"] == "***", got
+    assert "supersecret" not in json.dumps(
+        list(TraceLog.objects.filter(trace_id=trace_id).values()), default=str
+    )
     whole = _get(server, team_token, f"/traces/{trace_id}/values/{attrs['hangar.truncated.gen_ai.prompt']}")
     assert whole.status_code == 200 and whole.text == prompt
 

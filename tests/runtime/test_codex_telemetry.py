@@ -97,7 +97,7 @@ def test_claude_code_exports_its_traces_and_logs_to_hangar_without_prompts(setti
     settings.HANGAR_SANDBOX_OTLP_ENDPOINT = ENDPOINT
     h = Harness(id="hclaude", name="claude", agent="claude-code", team_id=7, env={})
     env = _sandbox_env(h, "/usr/bin:/bin")
-    assert env["CLAUDE_CODE_ENABLE_TELEMETRY"] == "1"
+    assert env["CLAUDE_CODE_ENABLE_TELEMETRY"] == env["CLAUDE_CODE_ENHANCED_TELEMETRY_BETA"] == "1"
     assert env["OTEL_TRACES_EXPORTER"] == env["OTEL_LOGS_EXPORTER"] == "otlp"
     assert (
         env["OTEL_EXPORTER_OTLP_ENDPOINT"] == ENDPOINT

@@ -22,6 +22,7 @@ from runtime.aio import blocking
 from runtime.errors import NotFound, ServiceError
 from runtime.launchers.base import FileEntry
 from runtime.services import sandbox_io as io_svc
+from runtime.services import spans
 
 from . import users
 from .protocol import Caller, RpcError, require_running, still_authorised
@@ -140,7 +141,8 @@ def _listing(caller: Caller, path: str, depth: int) -> list[FileEntry]:
         found.append(entry)
         if entry.type == "dir" and depth > 1 and len(found) < MAX_LISTED:
             try:
-                found.extend(_listing(caller, entry.path, depth - 1))
+                with spans.silenced():  # one span for the listing, not one per directory
+                    found.extend(_listing(caller, entry.path, depth - 1))
             except RpcError:  # gone meanwhile, or unreadable: listed without its contents
                 pass
         if len(found) >= MAX_LISTED:
@@ -167,6 +169,12 @@ _WATCHERS: dict[str, tuple[str, bool, bool, Snapshot]] = {}
 
 def _snapshot(caller: Caller, path: str, recursive: bool) -> Snapshot:
     return {e.path: e for e in _listing(caller, path, 64 if recursive else 1)}
+
+
+def _quiet_snapshot(caller: Caller, path: str, recursive: bool) -> Snapshot:
+    """A watch's poll: no span (the watch itself is one request, not a listing a second)."""
+    with spans.silenced():
+        return _snapshot(caller, path, recursive)
 
 
 def _changes(root: str, before: Snapshot, after: Snapshot, with_entry: bool) -> list[dict[str, Any]]:
@@ -249,7 +257,7 @@ async def watch_dir(
         why = await blocking(lambda: still_authorised(caller))()
         if why:
             raise RpcError("unauthenticated", f"access ended: {why}")
-        after = await blocking(lambda: _snapshot(caller, path, recursive))()
+        after = await blocking(lambda: _quiet_snapshot(caller, path, recursive))()
         events = _changes(path, before, after, with_entry)
         before = after
         for event in events:
