@@ -195,10 +195,6 @@ def cmd_up(args: argparse.Namespace) -> int:
             )
         _say(f"  node:  {node.name} (queue {node.queue}, host id {local_node_id()}), data in {data_dir}")
         _say(
-            f"  e2b:   export E2B_API_URL={url}/e2b E2B_SANDBOX_URL={url}/e2b/envd "
-            "E2B_API_KEY=<a Hangar token>  (for the e2b SDK)"
-        )
-        _say(
             f"  logs:  {logs}/ (server, worker, beat, bridge, ssh-gateway; warnings and errors show here too)"
         )
         if password:
@@ -208,12 +204,25 @@ def cmd_up(args: argparse.Namespace) -> int:
             _say(
                 f"  admin: {user.get_username()} (password shown on first start); new token: hangar token create --user {user.get_username()}"
             )
+        _say_e2b(url, token, user.get_username())
         _say("Press Ctrl-C to stop.")
         return supervise.supervise(children, supervise.restarter(specs, env, logs))
     finally:
         supervise.stop_all(children)
         if redis_proc is not None:
             supervise.stop_all([("redis", redis_proc)])
+
+
+def _say_e2b(url: str, token: str | None, username: str) -> None:
+    """The e2b SDK's three variables as lines a shell takes pasted whole (the comment too)."""
+    if token:
+        _say("  # the e2b SDK against this Hangar, with the token above (paste into a shell):")
+    else:
+        _say(f"  # the e2b SDK against this Hangar (paste into a shell; put a token from "
+             f"`hangar token create --user {username}` for hgr_YOUR_TOKEN):")  # fmt: skip
+    _say(f"  export E2B_API_URL={url}/e2b")
+    _say(f"  export E2B_SANDBOX_URL={url}/e2b/envd")
+    _say(f"  export E2B_API_KEY={token or 'hgr_YOUR_TOKEN'}")
 
 
 def _become_subreaper() -> None:

@@ -113,6 +113,24 @@ def _hangar_processes(data_dir: Path) -> list[str]:
     return found
 
 
+def _e2b_lines(up: Up) -> list[str]:
+    """The E2B lines `hangar up` printed, run through a shell as a user pastes them: a comment
+    and three exports, nothing else (no redirect, no stray word)."""
+    start = next(i for i, line in enumerate(up.output) if "# the e2b SDK" in line)
+    block = "".join(up.output[start : start + 4])
+    shown = subprocess.run(["bash", "-euc", block + 'printf "%s\n" "$E2B_API_URL" "$E2B_SANDBOX_URL" "$E2B_API_KEY"'],
+                           capture_output=True, text=True, check=True, cwd="/")  # fmt: skip
+    assert shown.stderr == "", shown.stderr
+    lines = [line.strip() for line in up.output[start + 1 : start + 4]]
+    assert [
+        f"export {name}={value}"
+        for name, value in zip(
+            ("E2B_API_URL", "E2B_SANDBOX_URL", "E2B_API_KEY"), shown.stdout.splitlines(), strict=True
+        )
+    ] == lines
+    return lines
+
+
 @requires_runsc
 def test_hangar_up_runs_stops_cleanly_and_sandboxes_survive_a_restart(tmp_path):
     data_dir = tmp_path / "data"
@@ -128,15 +146,15 @@ def test_hangar_up_runs_stops_cleanly_and_sandboxes_survive_a_restart(tmp_path):
     for noise in ("celery@", "[config]", "[queues]", "superuser privileges", "-------------- "):
         assert noise not in text, (noise, text)
     assert f"logs:  {data_dir}/logs/" in text
-    assert (
-        f"export E2B_API_URL={up.url}/e2b E2B_SANDBOX_URL={up.url}/e2b/envd " in text
-    )  # as docs/e2b.md says
+    token = next(line.split(": ", 1)[1].strip() for line in up.output if "API token" in line)
+    # The e2b SDK's three variables, each a line a shell takes as pasted, the new token the key.
+    assert _e2b_lines(up) == [f"export E2B_API_URL={up.url}/e2b", f"export E2B_SANDBOX_URL={up.url}/e2b/envd",
+                              f"export E2B_API_KEY={token}"]  # fmt: skip
     assert stat.S_IMODE(data_dir.stat().st_mode) == 0o700 and "now 700" in text  # root's alone
     # The SSH gateway into harnesses is one of the processes it starts.
     ssh_port = int(re.search(r"ssh: +port (\d+)", text).group(1))
     with socket.create_connection(("127.0.0.1", ssh_port), timeout=10) as conn:
         assert conn.recv(64).startswith(b"SSH-2.0-")
-    token = next(line.split(": ", 1)[1].strip() for line in up.output if "API token" in line)
     api = httpx.Client(base_url=f"{up.url}/api/v1", headers={"Authorization": f"Bearer {token}"}, timeout=60)
     sb = api.post("/sandboxes", json={"image": "busybox", "memory_mb": 256, "timeout_s": 600}).json()
     assert sb.get("status") == "running", sb
@@ -185,6 +203,8 @@ def test_hangar_up_runs_stops_cleanly_and_sandboxes_survive_a_restart(tmp_path):
 
     up = Up(data_dir, HANGAR_NODE_TICK_S="1")
     assert "API token" not in "".join(up.output)  # only the first start prints one
+    assert _e2b_lines(up)[2] == "export E2B_API_KEY=hgr_YOUR_TOKEN"  # a placeholder, said so above it
+    assert "hangar token create --user admin` for hgr_YOUR_TOKEN" in "".join(up.output)
     api = httpx.Client(base_url=f"{up.url}/api/v1", headers={"Authorization": f"Bearer {token2}"}, timeout=60)
     time.sleep(3)  # several reconciliation ticks
     after = api.get(f"/sandboxes/{sid}").json()

@@ -11,7 +11,8 @@ from .schemas import error
 
 # (path pattern under /e2b/, what it is, what to do instead), first match wins.
 _FEATURES: list[tuple[re.Pattern[str], str, str]] = [
-    (re.compile(r"(v\d+/)?templates(/.*)?"), "templates built by E2B's builder",
+    # E2B keeps a snapshot as a template: Sandbox.delete_snapshot(id) is DELETE /templates/{id}.
+    (re.compile(r"(v\d+/)?templates(/.*)?"), "templates built by E2B's builder or snapshots (which E2B keeps as templates)",
      "a template is a Hangar image: build or pull one with `hangar image` or POST /api/v1/images"),
     (re.compile(r"(v\d+/)?sandboxes/[^/]+/snapshots"), "snapshots", "pause the sandbox and connect to it later"),
     (re.compile(r"snapshots(/.*)?"), "snapshots", "pause the sandbox and connect to it later"),

@@ -289,6 +289,41 @@ def test_unknown_template_wrong_key_and_unsupported_features_are_refused(e2b, ap
 
 
 @requires_runsc
+def test_template_build_fork_snapshots_and_volumes_through_the_sdk_name_what_is_unsupported(e2b, api):
+    from e2b import AsyncTemplate, AsyncVolume, Template, Volume
+
+    sbx = Sandbox.create("busybox", timeout=60, allow_internet_access=False)
+    try:
+        # (the call, what the refusal must name), each through the SDK's own method.
+        refused = [
+            (lambda: Template.build(Template().from_image("busybox"), "mine"), "templates built by E2B's builder"),
+            (lambda: Template.exists("mine"), "templates built by E2B's builder"),
+            (lambda: sbx.fork(), "does not support fork"),
+            (lambda: sbx.create_snapshot(), "does not support snapshots"),
+            (lambda: Sandbox.delete_snapshot("snap"), "or snapshots"),
+            (lambda: Volume.create("data"), "does not support volumes through the E2B API"),
+            (lambda: Volume.connect("data"), "does not support volumes through the E2B API"),
+            (lambda: Volume.list(), "does not support volumes through the E2B API"),
+        ]  # fmt: skip
+        for call, named in refused:
+            with pytest.raises(Exception, match=f"^400: Hangar's E2B API .*{named}") as caught:
+                call()
+            assert type(caught.value).__module__ == "e2b.exceptions"  # the SDK's own, read from our answer
+        asyncs = [
+            (lambda: AsyncTemplate.build(AsyncTemplate().from_image("busybox"), "mine"), "E2B's builder"),
+            (lambda: AsyncSandbox.fork(sbx.sandbox_id), "does not support fork"),
+            (lambda: AsyncVolume.create("data"), "does not support volumes through the E2B API"),
+        ]  # fmt: skip
+        for acall, named in asyncs:
+            with pytest.raises(Exception, match=f"^400: Hangar's E2B API .*{named}"):
+                asyncio.run(acall())
+        assert _hangar(api, sbx.sandbox_id)["status"] == "running"  # untouched
+        assert [s["id"] for s in api.get("/sandboxes").json()] == [sbx.sandbox_id]  # nothing forked
+    finally:
+        sbx.kill()
+
+
+@requires_runsc
 def test_another_teams_key_finds_no_sandbox(e2b, api, other_team_token):
     sbx = Sandbox.create("busybox", allow_internet_access=False)
     sid = sbx.sandbox_id

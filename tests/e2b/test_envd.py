@@ -179,6 +179,7 @@ def test_commands_run_as_the_image_s_own_user_unless_another_is_named(e2b):
             box.kill()
 
 
+@requires_runsc
 def test_files_and_pty(e2b):
     t = time.perf_counter()
     sbx = Sandbox.create("busybox", timeout=120, allow_internet_access=False)
@@ -344,6 +345,61 @@ def test_a_gzipped_upload_is_unpacked_and_a_bad_one_refused(e2b):
         assert sbx.files.read("/work/up.bin") == "packed\n"  # none of those wrote anything
     finally:
         sbx.kill()
+
+
+@requires_runsc
+def test_files_post_takes_each_part_s_filename_as_its_whole_path_or_octet_stream_to_path(e2b):
+    """envd's plain ``POST /files`` as E2B's SDKs send it, over HTTP with the access token."""
+    sbx = Sandbox.create("busybox", timeout=120, allow_internet_access=False)
+    headers = {"E2b-Sandbox-Id": sbx.sandbox_id, "X-Access-Token": sbx._envd_access_token}
+    try:
+        with httpx.Client(base_url=e2b, headers=headers, timeout=60) as http:
+            # Multipart: a part's filename is its whole destination (never cut to its last name).
+            parts = [("file", ("/work/up/one.txt", b"one\n", "application/octet-stream")),
+                     ("file", ("/work/deep/er/two.bin", b"\x00\xfftwo", "application/octet-stream"))]  # fmt: skip
+            r = http.post("/files", files=parts)
+            assert r.status_code == 200, r.text
+            assert r.json() == [{"name": "one.txt", "type": "file", "path": "/work/up/one.txt"},
+                                {"name": "two.bin", "type": "file", "path": "/work/deep/er/two.bin"}]  # fmt: skip
+            assert sbx.commands.run("cat /work/up/one.txt; ls /work").stdout == "one\ndeep\nup\n"
+            got = http.get("/files", params={"path": "/work/deep/er/two.bin"})
+            assert got.status_code == 200 and got.content == b"\x00\xfftwo"
+            # One part with ?path=: the query names where it goes.
+            r = http.post(
+                "/files", params={"path": "/work/named.txt"}, files=[("file", ("ignored", b"named"))]
+            )
+            assert r.status_code == 200 and r.json()[0]["path"] == "/work/named.txt", r.text
+            # application/octet-stream: the body is the file, ?path= its destination.
+            r = http.post("/files", params={"path": "/work/raw.bin"}, content=bytes(range(256)),
+                          headers={"Content-Type": "application/octet-stream"})  # fmt: skip
+            assert r.status_code == 200 and r.json() == [
+                {"name": "raw.bin", "type": "file", "path": "/work/raw.bin"}
+            ]
+        assert bytes(sbx.files.read("/work/raw.bin", format="bytes")) == bytes(range(256))
+        assert sbx.files.read("/work/named.txt") == "named"
+        refused = httpx.post(f"{e2b}/files", params={"path": "/work/x"}, content=b"x", timeout=30,
+                             headers={"E2b-Sandbox-Id": sbx.sandbox_id, "Content-Type": "application/octet-stream"})  # fmt: skip
+        assert refused.status_code == 401  # no access token: nothing written
+        assert not sbx.files.exists("/work/x")
+    finally:
+        sbx.kill()
+
+
+def test_the_create_response_s_domain_has_the_preview_port_unless_it_is_the_scheme_s_own(settings):
+    from types import SimpleNamespace
+
+    from dashboard.e2b.schemas import created_out
+
+    sandbox = SimpleNamespace(image="busybox", id="sbx-one", node=None, open_ports="public")
+    caller = SimpleNamespace(pk=7, scopes=[], effective_role="member")
+    settings.HANGAR_PREVIEW_DOMAIN = "preview.example.com"
+    for scheme, port, expected in [
+        ("http", 8000, "preview.example.com:8000"), ("http", 80, "preview.example.com"),
+        ("https", 443, "preview.example.com"), ("https", 8443, "preview.example.com:8443"),
+        ("http", 443, "preview.example.com:443"), ("http", 0, "preview.example.com"),
+    ]:  # fmt: skip
+        settings.HANGAR_PREVIEW_SCHEME, settings.HANGAR_PREVIEW_PORT = scheme, port
+        assert created_out(sandbox, caller)["domain"] == expected, (scheme, port)
 
 
 def _fresh_token() -> str:
