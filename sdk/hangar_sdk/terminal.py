@@ -5,12 +5,13 @@ imported only when a terminal is opened."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from typing import Any
 
 from . import _api as api
-from ._errors import CommandTimeout, HangarError
+from ._errors import CommandTimeout, HangarError, NetworkError, error_for
 from ._transport import API_PREFIX, Config
 
 
@@ -70,6 +71,23 @@ def resize_frame(rows: int, cols: int) -> str:
     return json.dumps({"type": "resize", "rows": rows, "cols": cols})
 
 
+def open_error(terminal_id: str, exc: Exception) -> HangarError:
+    """The SDK's exception for a websocket that did not open: the class of the HTTP status it
+    was refused with (a proxy's 502, the server's 403…), else a :class:`NetworkError`."""
+    ws = _websockets()
+    where = f"terminal {terminal_id}: its websocket"
+    if isinstance(exc, ws.exceptions.InvalidStatus):
+        code = exc.response.status_code
+        kind = type(error_for(code, b""))
+        return kind(f"{where} was refused with HTTP {code}", status_code=code)
+    return NetworkError(f"{where} did not open: {type(exc).__name__}: {exc}")
+
+
+def closed_error(terminal_id: str, exc: Exception) -> NetworkError:
+    """Sending on a websocket that has closed (the server or a proxy between dropped it)."""
+    return NetworkError(f"terminal {terminal_id}: its connection closed ({exc})")
+
+
 class Terminal:
     """A shell on a PTY (``sb.terminal()``). It lives in the sandbox whatever happens to this
     connection; :meth:`kill` ends it, :meth:`close` only leaves."""
@@ -87,8 +105,11 @@ class Terminal:
         try:
             self._ws = connect(websocket_url(config, self.id), additional_headers=_headers(config),
                                open_timeout=30, max_size=None).__enter__()  # fmt: skip
-        except BaseException:  # a shell nobody can reach: end it
-            sandbox._t.json(api.terminal_delete(sandbox.id, self.id))
+        except BaseException as exc:  # a shell nobody can reach: end it
+            with contextlib.suppress(HangarError):  # the server may be what is unreachable
+                sandbox._t.json(api.terminal_delete(sandbox.id, self.id))
+            if isinstance(exc, Exception):
+                raise open_error(self.id, exc) from exc
             raise
         self._screen = _Screen()
 
@@ -96,16 +117,29 @@ class Terminal:
     def exit_code(self) -> int | None:
         return None if self._screen.exit is None else self._screen.exit.get("exit_code")
 
+    @property
+    def exit_info(self) -> dict[str, Any] | None:
+        """The server's word on how the shell ended (``exit_code``, ``signal``, ``error``), once
+        it has; None while it runs, or when the connection closed without one."""
+        return self._screen.exit
+
+    def _send(self, frame: str | bytes) -> None:
+        try:
+            self._ws.send(frame)
+        except _websockets().exceptions.ConnectionClosed as exc:
+            raise closed_error(self.id, exc) from None
+
     def send(self, data: str | bytes) -> None:
-        """Type into it (``"ls\\n"``, ``b"\\x03"`` for Ctrl-C)."""
-        self._ws.send(data.encode() if isinstance(data, str) else data)
+        """Type into it (``"ls\\n"``, ``b"\\x03"`` for Ctrl-C). A connection that closed is a
+        :class:`NetworkError`."""
+        self._send(data.encode() if isinstance(data, str) else data)
 
     def write(self, data: str | bytes) -> None:
         """Type into it: :meth:`send`."""
         self.send(data)
 
     def resize(self, rows: int, cols: int) -> None:
-        self._ws.send(resize_frame(rows, cols))
+        self._send(resize_frame(rows, cols))
 
     def recv(self, timeout: float | None = None) -> bytes:
         """The terminal's next bytes (b"" once it has exited)."""
@@ -175,8 +209,11 @@ class AsyncTerminal:
         try:
             ws = await connect(websocket_url(config, info["id"]), additional_headers=_headers(config),
                                open_timeout=30, max_size=None)  # fmt: skip
-        except BaseException:
-            await sandbox._t.json(api.terminal_delete(sandbox.id, info["id"]))
+        except BaseException as exc:
+            with contextlib.suppress(HangarError):
+                await sandbox._t.json(api.terminal_delete(sandbox.id, info["id"]))
+            if isinstance(exc, Exception):
+                raise open_error(info["id"], exc) from exc
             raise
         return cls(sandbox, info, ws)
 
@@ -184,15 +221,25 @@ class AsyncTerminal:
     def exit_code(self) -> int | None:
         return None if self._screen.exit is None else self._screen.exit.get("exit_code")
 
+    @property
+    def exit_info(self) -> dict[str, Any] | None:
+        return self._screen.exit
+
+    async def _send(self, frame: str | bytes) -> None:
+        try:
+            await self._ws.send(frame)
+        except _websockets().exceptions.ConnectionClosed as exc:
+            raise closed_error(self.id, exc) from None
+
     async def send(self, data: str | bytes) -> None:
-        await self._ws.send(data.encode() if isinstance(data, str) else data)
+        await self._send(data.encode() if isinstance(data, str) else data)
 
     async def write(self, data: str | bytes) -> None:
         """Type into it: :meth:`send`."""
         await self.send(data)
 
     async def resize(self, rows: int, cols: int) -> None:
-        await self._ws.send(resize_frame(rows, cols))
+        await self._send(resize_frame(rows, cols))
 
     async def recv(self, timeout: float | None = None) -> bytes:
         """The terminal's next bytes (b"" once it has exited)."""

@@ -23,6 +23,8 @@ def test_a_harness_from_create_to_rm(cli):
     assert (h["name"], h["status"], h["setup"]) == ("cli-h", "running", "done")
     try:
         assert "cli-h" in cli("harness", "list").stdout
+        listed = cli("harness", "list", "--json")
+        assert listed.returncode == 0 and [x["id"] for x in json.loads(listed.stdout)] == [h["id"]]
         assert json.loads(cli("harness", "get", "cli-h", "--json").stdout)["id"] == h["id"]
 
         ran = cli("harness", "run", "cli-h", "write the docs")
@@ -39,6 +41,11 @@ def test_a_harness_from_create_to_rm(cli):
         assert [r["prompt"] for r in runs] == ["fail on purpose", "write the docs"]
         got = cli("run", "get", run["id"])
         assert "failed" in got.stdout and run["trace_id"] in got.stdout
+        got_json = cli("run", "get", run["id"], "--json")
+        assert got_json.returncode == 0, got_json.stderr
+        record = json.loads(got_json.stdout)
+        assert (record["id"], record["status"], record["exit_code"]) == (run["id"], "failed", 4)
+        assert record["prompt"] == "fail on purpose" and record["trace_id"] == run["trace_id"]
         logs = cli("run", "logs", run["id"])
         assert logs.stdout == "task: fail on purpose\n" and logs.returncode == 4
         assert cli("run", "diff", runs[1]["id"]).returncode == 0

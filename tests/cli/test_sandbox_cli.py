@@ -6,10 +6,14 @@ from __future__ import annotations
 
 import json
 import os
+import select
+import subprocess
+import time
 
 import pytest
 
 from hangar_sdk import Sandbox
+from tests.cli.conftest import HANGAR
 from tests.support import requires_runsc, wait_until
 
 pytestmark = [requires_runsc, pytest.mark.timeout(300)]
@@ -50,6 +54,10 @@ def test_create_list_get_exec_and_rm(cli, team_token, server):
         p = sb.exec("echo from-background; sleep 0.5; echo done; exit 5", background=True)
         logs = cli("sandbox", "logs", sid, "--process", str(p.id))
         assert logs.returncode == 5 and logs.stdout == "from-background\ndone\n"
+        procs = cli("sandbox", "ps", sid, "--json")
+        assert procs.returncode == 0, procs.stderr
+        (bg,) = [row for row in json.loads(procs.stdout) if row["id"] == p.id]  # the whole of stdout
+        assert (bg["status"], bg["exit_code"]) == ("exited", 5), bg
         events = cli("sandbox", "logs", sid, "--no-follow")
         assert events.returncode == 0 and "-> running" in events.stdout
 
@@ -70,6 +78,43 @@ def test_create_list_get_exec_and_rm(cli, team_token, server):
         gone = cli("sandbox", "rm", sid)
     assert gone.returncode == 0 and f"{sid}: deleted" in gone.stderr
     wait_until(lambda: Sandbox.get(sid, url=server, token=team_token).status == "deleted", 30, what="deleted")
+
+
+def test_logs_follows_new_events_and_ends_when_the_sandbox_is_deleted(cli, server, team_token):
+    sid = json.loads(cli("sandbox", "create", "--image", "busybox", "--memory-mb", "256", "--json").stdout)[
+        "id"
+    ]
+    follow = subprocess.Popen([str(HANGAR), "sandbox", "logs", sid], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, env=cli.env)  # fmt: skip
+    assert follow.stdout is not None and follow.stderr is not None
+    seen = b""
+
+    def until(marker: bytes, timeout: float = 60) -> None:
+        nonlocal seen
+        deadline = time.monotonic() + timeout
+        while marker not in seen:
+            assert time.monotonic() < deadline, f"{marker!r} never came: {seen!r}"
+            if select.select([follow.stdout], [], [], 1)[0]:
+                seen += os.read(follow.stdout.fileno(), 65536)
+
+    try:
+        until(b"-> running")  # what there was when it started
+        # Events from after the command started, through the API: it follows them.
+        sb = Sandbox.get(sid, url=server, token=team_token)
+        sb.pause()
+        until(b"-> paused")
+        sb.resume()
+        until(b"paused -> ")
+        assert follow.poll() is None  # still following
+        assert cli("sandbox", "rm", sid).returncode == 0
+        assert follow.wait(timeout=60) == 0  # a deleted sandbox has no more events: it ends
+        seen += follow.stdout.read()
+        assert b"-> deleted" in seen and follow.stderr.read() == b"", seen
+    finally:
+        if follow.poll() is None:
+            follow.kill()
+            follow.wait()
+        cli("sandbox", "rm", sid)
 
 
 def test_cp_copies_directories_and_files_both_ways_with_a_progress_bar(cli, tmp_path):

@@ -21,25 +21,24 @@ from tests.support import requires_runsc
 from .conftest import text
 from .test_server import TOOLS
 
-ROOT = Path(__file__).resolve().parents[2]
-COMMAND = [sys.executable, "-m", "dashboard.cli", "mcp"]
+# The installed console script, as an MCP client's configuration names it (`make install` puts
+# it in the venv); the server's `mcp` command is in it through the `hangar.cli` plug-in.
+HANGAR = Path(sys.executable).with_name("hangar")
+COMMAND = [str(HANGAR), "mcp"]
 
 
 def _env(tmp_path: Path, **more: str) -> dict[str, str]:
-    """A bare environment: no DJANGO_SETTINGS_MODULE or DATABASE_URL, a config dir of its own."""
-    return {
-        "PATH": os.environ["PATH"], "HOME": str(tmp_path), "XDG_CONFIG_HOME": str(tmp_path / "config"),
-        "PYTHONPATH": str(ROOT), **more,
-    }  # fmt: skip
+    """A bare environment: no DJANGO_SETTINGS_MODULE, DATABASE_URL or PYTHONPATH, a config dir
+    of its own."""
+    assert HANGAR.is_file(), f"{HANGAR} is missing: `make install` installs the `hangar` console script"
+    return {"PATH": os.environ["PATH"], "HOME": str(tmp_path), "XDG_CONFIG_HOME": str(tmp_path / "config"),
+            **more}  # fmt: skip
 
 
-async def _tools_and(env: dict[str, str], *calls: tuple[str, dict] | list[str]) -> tuple[set[str], list]:
-    """Start the stdio server (the command, when the last of ``calls`` is one: else
-    ``python -m dashboard.cli mcp``), list its tools and make the calls; a call without a
-    ``sandbox_id`` that takes one goes to the sandbox the last ``create_sandbox`` made."""
-    command = calls[-1] if calls and isinstance(calls[-1], list) else COMMAND
-    calls = tuple(c for c in calls if isinstance(c, tuple))
-    params = StdioServerParameters(command=command[0], args=command[1:], env=env, cwd=str(ROOT))
+async def _tools_and(env: dict[str, str], *calls: tuple[str, dict]) -> tuple[set[str], list]:
+    """Start the stdio server (``hangar mcp``), list its tools and make the calls; a call
+    without a ``sandbox_id`` that takes one goes to the sandbox the last ``create_sandbox`` made."""
+    params = StdioServerParameters(command=COMMAND[0], args=COMMAND[1:], env=env, cwd=env["HOME"])
     async with stdio_client(params) as (read, write), ClientSession(read, write) as session:
         await session.initialize()
         names = {t.name for t in (await session.list_tools()).tools}
@@ -56,9 +55,6 @@ async def _tools_and(env: dict[str, str], *calls: tuple[str, dict] | list[str]) 
 
 @requires_runsc
 def test_hangar_mcp_forwards_tools_to_the_server(sandboxes, server, team_token, tmp_path):
-    # The installed console script, as an MCP client's configuration names it, when there is one.
-    hangar = Path(sys.executable).with_name("hangar")
-    command = [str(hangar), "mcp"] if hangar.is_file() else COMMAND
     env = _env(tmp_path, HANGAR_URL=server, HANGAR_TOKEN=team_token)
     names, (made, ran, wrote, read, listed, unknown, deleted) = anyio.run(
         _tools_and, env,
@@ -69,7 +65,6 @@ def test_hangar_mcp_forwards_tools_to_the_server(sandboxes, server, team_token, 
         ("list_files", {"path": "/tmp/stdio"}),
         ("read_file", {"sandbox_id": "nope", "path": "/x"}),
         ("delete_sandbox", {}),
-        command,
     )  # fmt: skip
     assert names == set(TOOLS)
     assert not made.isError and made.structuredContent["status"] == "running", text(made)
@@ -88,13 +83,13 @@ def test_hangar_mcp_forwards_tools_to_the_server(sandboxes, server, team_token, 
 def test_hangar_mcp_reads_the_config_file_and_says_what_is_wrong(server, team_token, tmp_path):
     # A token the server refuses: said at once, on stderr, before any MCP message.
     bad = subprocess.run(COMMAND, env=_env(tmp_path, HANGAR_URL=server, HANGAR_TOKEN="hgr_wrong"),
-                         cwd=ROOT, capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL)  # fmt: skip
+                         cwd=tmp_path, capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL)  # fmt: skip
     assert bad.returncode == 2 and "refused the token (401)" in bad.stderr, bad.stderr
-    none = subprocess.run(COMMAND, env=_env(tmp_path), cwd=ROOT, capture_output=True, text=True, timeout=60,
+    none = subprocess.run(COMMAND, env=_env(tmp_path), cwd=tmp_path, capture_output=True, text=True, timeout=60,
                           stdin=subprocess.DEVNULL)  # fmt: skip
     assert none.returncode == 2 and "HANGAR_TOKEN" in none.stderr, none.stderr
     down = subprocess.run(COMMAND, env=_env(tmp_path, HANGAR_URL="http://127.0.0.1:9", HANGAR_TOKEN="hgr_x"),
-                          cwd=ROOT, capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL)  # fmt: skip
+                          cwd=tmp_path, capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL)  # fmt: skip
     assert down.returncode == 2 and "cannot reach" in down.stderr, down.stderr
     # The config file `hangar login` will write stands in for the environment.
     config = tmp_path / "config" / "hangar" / "config.json"

@@ -30,6 +30,64 @@ def test_a_wrong_token_is_an_auth_error(hangar):
     assert isinstance(e.value, HangarError)
 
 
+def _alice_token(**kw) -> str:
+    """Another token of the test's user (alice, owner of team alpha), narrower than hers."""
+    from django.contrib.auth import get_user_model
+
+    from runtime.models import Team
+    from runtime.services.auth import token_create
+
+    user = get_user_model().objects.get(username="alice")
+    return token_create(user=user, team=Team.objects.get(name="alpha"), **kw).raw
+
+
+def test_a_token_without_the_scope_or_the_role_is_a_403_auth_error(hangar):
+    with Sandbox.create(image="busybox", timeout_s=120) as sb:
+        read_only = _alice_token(name="reader", scopes=["sandboxes:read"])
+        assert Sandbox.get(sb.id, token=read_only).status == "running"  # it may read
+        with pytest.raises(AuthError) as e:
+            Sandbox.create(image="busybox", token=read_only)
+        assert e.value.status_code == 403 and "sandboxes:write" in e.value.message, e.value.message
+        viewer = _alice_token(name="viewer", role="viewer")
+        with pytest.raises(AuthError) as e:
+            Sandbox.get(sb.id, token=viewer).delete()
+        assert e.value.status_code == 403 and e.value.message
+        assert sb.refresh().status == "running"  # refused: nothing was done
+
+
+def test_a_terminal_whose_connection_was_cut_says_so_as_a_network_error(hangar, team_token):
+    from tests.cli.gate import WebsocketGate
+
+    gate = WebsocketGate(hangar)
+    try:
+        with Sandbox.create(image="busybox", timeout_s=120) as sb:
+            term = Sandbox.get(sb.id, url=gate.url, token=team_token).terminal()
+            term.send("echo up-$((3*3))\n")
+            term.read_until("up-9")
+            gate.cut()
+            with pytest.raises(NetworkError, match="closed"):
+                deadline = time.monotonic() + 10
+                while time.monotonic() < deadline:  # the first sends may still find a buffer
+                    term.send("echo into-the-void\n")
+                    time.sleep(0.1)
+            for _ in range(100):  # what had come before the cut, then the end: no exception
+                if term.recv(timeout=5) == b"":
+                    break
+            else:
+                raise AssertionError("the terminal's output never ended")
+            term.close()
+    finally:
+        gate.close()
+    refused = WebsocketGate(hangar, refuse_websockets=403)
+    try:
+        with Sandbox.create(image="busybox", timeout_s=120) as sb:
+            with pytest.raises(AuthError, match="refused with HTTP 403") as e:
+                Sandbox.get(sb.id, url=refused.url, token=team_token).terminal()
+            assert e.value.status_code == 403
+    finally:
+        refused.close()
+
+
 def test_an_unknown_sandbox_is_not_found(hangar):
     with pytest.raises(NotFoundError) as e:
         Sandbox.get("sbnosuchthing")

@@ -193,6 +193,14 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:  # `hangar … | head`: the reader left
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
+    except OSError as exc:  # a local file, a socket the SDK did not wrap
+        print(f"hangar: {exc}", file=sys.stderr)
+        return 1
+    except Exception as exc:  # unforeseen: still one line (HANGAR_TRACEBACK=1 prints the traceback)
+        if os.environ.get("HANGAR_TRACEBACK") == "1":
+            raise
+        print(f"hangar: {type(exc).__name__}: {exc} (HANGAR_TRACEBACK=1 shows where)", file=sys.stderr)
+        return 1
     finally:
         reset()
 

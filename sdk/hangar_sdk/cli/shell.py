@@ -15,7 +15,7 @@ from types import FrameType
 from typing import Any
 
 from .._errors import HangarError
-from ._common import fail
+from ._common import exit_status, fail, say
 
 
 def window_size(fd: int) -> tuple[int, int]:
@@ -33,18 +33,11 @@ def _write_all(fd: int, data: bytes) -> None:
         view = view[os.write(fd, view) :]
 
 
-class _Leave(Exception):
-    """SIGTERM or SIGHUP: leave through the ``finally`` that restores the terminal."""
-
-    def __init__(self, signum: int) -> None:
-        super().__init__(signum)
-        self.signum = signum
-
-
 def interactive(sandbox: Any, *, cmd: list[str] | None = None, cwd: str | None = None,
                 env: Mapping[str, str] | None = None) -> int:  # fmt: skip
     """Attach this terminal to a new terminal of ``sandbox`` until its shell exits; returns
-    the shell's exit status."""
+    the shell's exit status. Any other way out is one line on stderr (said once the local
+    terminal is itself again) and a non-zero status."""
     try:
         import termios
         import tty
@@ -58,12 +51,16 @@ def interactive(sandbox: Any, *, cmd: list[str] | None = None, cwd: str | None =
     saved = termios.tcgetattr(in_fd) if is_tty else None
     wake_r, wake_w = os.pipe()
     failure: list[BaseException] = []
+    left: list[int] = []  # SIGTERM or SIGHUP
 
+    # The handlers only wake the loop: an exception raised from a handler could land inside
+    # the websocket's own code, midway through a frame.
     def on_winch(signum: int, frame: FrameType | None) -> None:
         os.write(wake_w, b"w")
 
     def on_leave(signum: int, frame: FrameType | None) -> None:
-        raise _Leave(signum)
+        left.append(signum)
+        os.write(wake_w, b"t")
 
     def pump_out() -> None:
         try:
@@ -76,7 +73,6 @@ def interactive(sandbox: Any, *, cmd: list[str] | None = None, cwd: str | None =
 
     reader = threading.Thread(target=pump_out, name="terminal-out", daemon=True)
     handlers = {s: signal.getsignal(s) for s in (signal.SIGWINCH, signal.SIGTERM, signal.SIGHUP)}
-    done = False
     try:
         signal.signal(signal.SIGWINCH, on_winch)
         signal.signal(signal.SIGTERM, on_leave)
@@ -85,11 +81,11 @@ def interactive(sandbox: Any, *, cmd: list[str] | None = None, cwd: str | None =
             tty.setraw(in_fd, termios.TCSANOW)
         reader.start()
         reading = True
-        while True:
+        while not left:
             ready, _, _ = select.select([wake_r, in_fd] if reading else [wake_r], [], [])
             if wake_r in ready:
                 woke = os.read(wake_r, 256)
-                if b"x" in woke:
+                if b"x" in woke or b"t" in woke:
                     break
                 if b"w" in woke and is_tty:
                     term.resize(*window_size(in_fd))
@@ -100,25 +96,54 @@ def interactive(sandbox: Any, *, cmd: list[str] | None = None, cwd: str | None =
                 else:  # local end of input: the remote shell gets end-of-file too
                     term.send(b"\x04")
                     reading = False
-        if failure and not isinstance(failure[0], HangarError | OSError):
-            raise failure[0]
-        if failure:
-            fail(f"the terminal failed: {failure[0]}")
-        done = term.exit_code is not None
-        return term.exit_code if term.exit_code is not None else 1
-    except _Leave as leave:
-        return 128 + leave.signum
+    except HangarError as exc:  # a send or a resize on a connection that has closed
+        failure.append(exc)
     finally:
         if saved is not None:
             termios.tcsetattr(in_fd, termios.TCSADRAIN, saved)
         for signum, handler in handlers.items():
             signal.signal(signum, handler)
-        _end(term, exited=done)
+        _end(term, exited=term.exit_info is not None)
         if reader.is_alive():
             reader.join(timeout=5)
         if not reader.is_alive():  # else it may still write to wake_w: left open, never reused
             os.close(wake_r)
             os.close(wake_w)
+    if left:
+        name = signal.Signals(left[0]).name
+        fail(f"{name}: left terminal {term.id} of {sandbox.id} and ended its shell", 128 + left[0])
+    if failure and not isinstance(failure[0], HangarError | OSError):
+        raise failure[0]
+    return _outcome(sandbox, term, failure[0] if failure else None)
+
+
+def _outcome(sandbox: Any, term: Any, failure: BaseException | None) -> int:
+    """The shell's exit status; when it did not exit by itself (killed, its sandbox deleted,
+    the connection dropped), one line more that says what happened."""
+    end = term.exit_info
+    code = None if end is None else end.get("exit_code")
+    signum = 0
+    if end is not None:
+        signum = int(end.get("signal") or 0) or (-int(code) if code is not None and int(code) < 0 else 0)
+        if code is not None and not signum and not end.get("error"):
+            return exit_status(end)
+    gone = ""
+    try:
+        status = sandbox.refresh().status
+    except HangarError as exc:
+        gone = f"; sandbox {sandbox.id}: {exc.message}"
+    else:
+        if status != "running":
+            gone = f"; sandbox {sandbox.id} is {status}"
+    if end is not None:
+        how = f"its shell was killed by signal {signum}" if signum else "its shell ended without a status"
+        say(f"hangar: terminal {term.id}: {end.get('error') or how}{gone}")
+        return 128 + signum if signum or code is None else int(code) & 0xFF
+    if failure is not None:
+        fail(
+            f"{failure}{gone}" if isinstance(failure, HangarError) else f"terminal {term.id}: {failure}{gone}"
+        )
+    fail(f"terminal {term.id}: the connection closed before its shell exited{gone}")
 
 
 def _end(term: Any, *, exited: bool) -> None:
