@@ -319,6 +319,12 @@ HANGAR_NODE_MIN_FREE_DISK_MB = env_int("HANGAR_NODE_MIN_FREE_DISK_MB", 2048, min
 # role of its own with only what a node needs (auto: when this control plane's user may create
 # roles, else its own credentials, with a warning; on: refuse the join without it; off: always
 # the control plane's own credentials).
+# A joining node's own Redis user (runtime/services/node_redis.py): auto, on or off, as above.
+HANGAR_NODE_REDIS_USERS = env_str("HANGAR_NODE_REDIS_USERS", "auto")
+if HANGAR_NODE_REDIS_USERS not in ("auto", "on", "off"):
+    raise ImproperlyConfigured(
+        f"HANGAR_NODE_REDIS_USERS must be auto, on or off, got {HANGAR_NODE_REDIS_USERS!r}"
+    )
 HANGAR_NODE_DB_ROLES = env_str("HANGAR_NODE_DB_ROLES", "auto")
 if HANGAR_NODE_DB_ROLES not in ("auto", "on", "off"):
     raise ImproperlyConfigured(f"HANGAR_NODE_DB_ROLES must be auto, on or off, got {HANGAR_NODE_DB_ROLES!r}")

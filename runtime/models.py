@@ -168,6 +168,20 @@ class NodeJoinToken(models.Model):
         return self.prefix
 
 
+class NodeRedisUser(models.Model):
+    """A joined node's own Redis user (runtime/services/node_redis.py): its name and the SHA-256
+    of the password it was handed, which the control plane gives Redis again should Redis lose
+    its users (a restart without an ACL file). Never granted to nodes' database roles."""
+
+    node_name = models.CharField(max_length=100, unique=True)
+    username = models.CharField(max_length=64, unique=True)
+    password_sha256 = models.CharField(max_length=64)
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    def __str__(self) -> str:
+        return self.username
+
+
 class Image(models.Model):
     """An image name known to the control plane; ``nodes`` are those that hold its rootfs."""
 

@@ -14,7 +14,7 @@ from .models import Node
 from .node import heartbeat, moves
 from .node import sandboxes as node_svc
 from .node.local import local_node_name, node_queue
-from .services import harnesses, pools, retention, runs, traces, usage, volumes
+from .services import harnesses, node_redis, pools, retention, runs, traces, usage, volumes
 from .services import images as image_services
 from .services import nodes as node_services
 from .services import sandbox_access as access_svc
@@ -138,8 +138,9 @@ def nodes_tick() -> None:
 def nodes_heartbeat() -> None:
     """Beat (every HANGAR_NODE_HEARTBEAT_S): mark silent nodes lost. Each node's worker
     heartbeats from a thread of its own (runtime.node.heartbeat), not from a task a busy pool
-    would run late."""
+    would run late. And give Redis back any node's user it lost (runtime.services.node_redis)."""
     node_services.nodes_mark_lost()
+    node_redis.node_redis_users_restore()
 
 
 @shared_task

@@ -24,7 +24,7 @@ from .. import enqueue
 from ..errors import Conflict, Forbidden, InvalidValue, NoCapacity, NotFound, QuotaExceeded
 from ..lifecycle import record_event
 from ..models import Node, NodeJoinToken, Sandbox
-from . import audit, node_roles
+from . import audit, node_redis, node_roles
 from .fleet_view import VIEW
 from .images import image_resolve
 from .nodes import ACTIVE, HELD
@@ -161,6 +161,7 @@ def node_remove(*, name: str) -> Node:
             )
         Node.objects.filter(id=locked.id).update(state=N.REMOVED, state_before_lost="")
         node_roles.node_role_drop(name)  # its database credentials stop working with the commit
+        transaction.on_commit(lambda: node_redis.node_redis_drop(name))  # and its Redis ones
         audit.record("node.remove", target=name, state_from=locked.state, state_to=N.REMOVED)
     locked.state = N.REMOVED
     return locked
@@ -310,14 +311,8 @@ def node_join(*, raw: str, name: str, labels: dict[str, str]) -> dict[str, Any]:
         )
         try:  # in the join's transaction: a role that cannot be made leaves the token unspent
             database_url = node_roles.node_database_url(name)
-        except node_roles.NodeRoleRefused as exc:
+            redis_urls = node_redis.node_redis_urls(name)
+        except (node_roles.NodeRoleRefused, node_redis.NodeRedisRefused) as exc:
             raise Conflict(str(exc)) from None
         audit.record("node.join", target=name, token=token.prefix, labels=labels)
-    return {
-        "name": name,
-        "labels": labels,
-        "database_url": database_url,
-        "redis_url": settings.REDIS_URL,
-        "celery_broker_url": settings.CELERY_BROKER_URL,
-        "celery_result_backend": settings.CELERY_RESULT_BACKEND,
-    }
+    return {"name": name, "labels": labels, "database_url": database_url, **redis_urls}

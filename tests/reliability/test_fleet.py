@@ -19,6 +19,7 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
+import redis
 
 from tests.reliability.stack import ROOT, JoinedNode, Stack, alive
 from tests.support import requires_runsc
@@ -129,6 +130,16 @@ def test_three_nodes_spread_pin_lose_come_back_drain_and_remove(fleet, report):
         for sb in made:
             api.put(f"/sandboxes/{sb['id']}/files", params={"path": "/mark"}, content=sb["node"].encode())
             assert sh(api, sb["id"], "cat /mark")["stdout"] == sb["node"]  # reached on its node
+        # The joined nodes' processes talk to Redis as users of their own, without Redis's
+        # dangerous commands (runtime/services/node_redis.py), not as the control plane.
+        clients = redis.Redis(port=cp.redis_port).client_list()
+        users = {c["user"] for c in clients if c["user"].startswith("hangar_node_")}
+        assert len(users) == 2, [(c["user"], c["name"]) for c in clients]
+        assert all(
+            "-@dangerous"
+            in " ".join(str(r) for r in redis.Redis(port=cp.redis_port).acl_getuser(u)["categories"])
+            for u in users
+        )
         # Each node's address pool (chosen at its first network) is its own.
         pools = [ipaddress.IPv4Network((d / "runtime/gvisor/network/pool").read_text().strip())
                  for d in (cp.data, n1.data, n2.data)]  # fmt: skip
