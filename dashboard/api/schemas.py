@@ -105,9 +105,16 @@ class ApiParser(Parser):
             raise BodyError("a string in the body holds a lone UTF-16 surrogate: send text as UTF-8")
         return data
 
+    # A parameter that takes one value, given more than once, is refused (422): Django's
+    # QueryDict would answer its last and drop the rest, so `?offset=1&offset=x` was read as
+    # whatever came last (found by schemathesis: an array where the schema says integer).
+    single_values = True
+
     def parse_querydict(self, data: MultiValueDict, list_fields: list[str], request: HttpRequest) -> Any:
         if data is request.GET:
             _require_utf8_query(request.META.get("QUERY_STRING", ""))
+            if self.single_values:
+                _require_single_values(data, list_fields)
         return super().parse_querydict(data, list_fields, request)
 
 
@@ -192,6 +199,15 @@ def has_lone_surrogate(value: Any) -> bool:
     if isinstance(value, list):
         return any(has_lone_surrogate(v) for v in value)
     return False
+
+
+def _require_single_values(data: MultiValueDict, list_fields: list[str]) -> None:
+    for key, values in data.lists():
+        if len(values) > 1 and key not in list_fields:
+            raise ValidationError([{
+                "loc": ["query", key], "type": "repeated",
+                "msg": f"is given {len(values)} times; give it once (only list parameters repeat)",
+            }])  # fmt: skip
 
 
 def _require_utf8_query(query: str) -> None:

@@ -19,7 +19,10 @@ from .schemas import error
 
 class E2BParser(ApiParser):
     """As Hangar's API parses, but an empty body is an empty object: E2B's spec makes the
-    bodies of pause and set timeout optional, and older SDKs send none."""
+    bodies of pause and set timeout optional, and older SDKs send none. Query parameters are
+    read as E2B's API reads them (a repeated one: its last), whatever an SDK sends."""
+
+    single_values = False
 
     def parse_body(self, request: HttpRequest) -> Any:
         if not request.body.strip():

@@ -72,6 +72,16 @@ def test_query_parameters_that_are_not_utf8_are_422_not_replaced(client):
     assert r.json()["detail"].startswith("path: is not valid UTF-8")
 
 
+def test_a_single_valued_query_parameter_given_twice_is_422_and_a_list_one_repeats(client):
+    r = client.get("/traces/0123456789abcdef0123456789abcdef?offset=1&offset=7.0")
+    assert r.status_code == 422, r.text
+    assert r.json()["detail"].startswith("offset: is given 2 times; give it once")
+    r = client.get("/sandboxes?limit=5&limit=6")
+    assert r.status_code == 422 and r.json()["detail"].startswith("limit: is given 2 times")
+    # attr= is a list: each one another term.
+    assert client.get("/traces?attr=a%3D1&attr=b%3D2").status_code == 200
+
+
 def test_a_lone_surrogate_in_a_json_string_is_refused(client):
     body = b'{"image": "busybox", "env": {"A": "\\udc80"}}'
     r = client.post("/sandboxes", content=body, headers={"Content-Type": "application/json"})

@@ -29,7 +29,7 @@ from tests.support import requires_runsc
 
 pytestmark = [requires_runsc, pytest.mark.slow]
 
-ST = str(Path(sys.executable).with_name("st"))
+ST = [sys.executable, str(Path(__file__).with_name("st_threadsafe.py"))]  # `st`, thread-safe: see there
 FUZZ_QUOTAS = {
     "sandboxes": 4,
     "vcpu": 4,
@@ -80,14 +80,15 @@ def _schemathesis(server_process, tmp_path, report) -> None:
     token = fuzz_owner()
 
     argv = [
-        ST, "run", f"{server}/api/v1/openapi.json", "-H", f"Authorization: Bearer {token}",
+        *ST, "run", f"{server}/api/v1/openapi.json", "-H", f"Authorization: Bearer {token}",
         "--checks", "all", "--exclude-checks", "use_after_free,positive_data_acceptance",
-        "-n", "10", "-w", "1", "--max-time", "400", "--request-timeout", "30",
+        "-n", "10", "-w", "2", "--max-time", "400", "--request-timeout", "30",
         "--exclude-path-regex", r"tokens/\{|members/\{",
     ]  # fmt: skip
-    # One worker: on CPython 3.11.7 (the one here) ast.parse is not thread-safe (gh-106905), and
-    # hypothesis parses its filters' source from each of schemathesis's worker threads
-    # ("SystemError: AST constructor recursion depth mismatch", a crash of the tool itself).
+    # The issue's command exactly, `st` run through st_threadsafe.py: on CPython 3.11.7 (the one
+    # here) ast.parse is not thread-safe (gh-106905), and hypothesis parses its filters' source
+    # from each of schemathesis's worker threads ("SystemError: AST constructor recursion depth
+    # mismatch", a crash of the tool itself with -w 2): the wrapper serialises the parse.
     # (The test node's worker keeps its heartbeat fresh: runtime/node/heartbeat.py.)
     # Its output goes to a file as it runs: a run that overstays shows where it stood.
     out_path = tmp_path / "st.out"
