@@ -14,8 +14,10 @@ many succeeded (every failure is kept with its answer), the wall time from relea
 100% success and a wall at most 1.5× raw runsc's (anchor: ComputeSDK's burst medians,
 0.65–1.33 s per sandbox across E2B, Daytona and Modal on their fleets).
 
-Starts its own `hangar up` (the single-machine default) in a temporary data dir unless --url
-and --token point at a running Hangar. Prints a table and writes JSON (default
+Starts its own `hangar up` (the single-machine default: SQLite and an embedded Redis) in a
+temporary data dir unless --url and --token point at a running Hangar; with ``--postgres URL``
+(a server, e.g. postgres://postgres@127.0.0.1:5432/) that `hangar up` keeps its rows in a fresh
+database of its own there (created, then dropped), as a node of a fleet does. Prints a table and writes JSON (default
 bench/results/burst.json). Needs root and runsc.
 """
 
@@ -30,6 +32,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from urllib.parse import urlsplit
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -122,6 +125,27 @@ def _row(what: str, n: int, wall: float, times: list[float], errors: list[str]) 
     }  # fmt: skip
 
 
+def _server(url: str, database: str = "postgres") -> str:
+    """The server of ``url``, at ``database``."""
+    return urlsplit(url)._replace(path=f"/{database}").geturl()
+
+
+def _fresh_database(url: str) -> str:
+    import psycopg
+
+    name = f"hangar_burst_{os.getpid()}_{int(time.time())}"
+    with psycopg.connect(_server(url), autocommit=True) as conn:
+        conn.execute(f'CREATE DATABASE "{name}"')
+    return _server(url, name)
+
+
+def _drop_database(url: str, database: str) -> None:
+    import psycopg
+
+    with psycopg.connect(_server(url), autocommit=True) as conn:
+        conn.execute(f'DROP DATABASE IF EXISTS "{database.rsplit("/", 1)[1]}" WITH (FORCE)')
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -133,6 +157,7 @@ def main() -> int:
     parser.add_argument("--url")
     parser.add_argument("--token")
     parser.add_argument("--port", type=int, default=8766)
+    parser.add_argument("--postgres", help="a Postgres server's URL: the rows in a fresh database there")
     parser.add_argument("--json", default=str(ROOT / "bench" / "results" / "burst.json"))
     args = parser.parse_args()
 
@@ -146,6 +171,8 @@ def main() -> int:
             # and the team's quota and its blocking execs in flight on this server take n.
             burst_env = {"HANGAR_CPU_OVERCOMMIT": "64", "HANGAR_QUOTA_SANDBOXES": str(2 * args.n),
                          "HANGAR_EXEC_BLOCKING_PER_TEAM": str(args.n)}  # fmt: skip
+            if args.postgres:
+                burst_env["DATABASE_URL"] = database = _fresh_database(args.postgres)
             hangar = start_hangar(work / "data", args.port, extra_env=burst_env)
             token, url = hangar.token, hangar.url
         with client(url, token) as api:  # warm-up: first-use costs (agent build, caches) are not the burst's
@@ -164,6 +191,8 @@ def main() -> int:
             print(f"  {rows[-1]['succeeded']}/{args.n} in {rows[-1]['wall_s']} s", flush=True)
     finally:
         stop_hangar(hangar, work)
+        if args.postgres and not args.url:
+            _drop_database(args.postgres, database)
 
     raw = [r["wall_s"] for r in rows if r["what"] == "raw runsc"]
     ours = [r["wall_s"] for r in rows if r["what"] == "Hangar API"]
@@ -181,7 +210,7 @@ def main() -> int:
         for e in r["errors"]:
             print(f"  {r['what']} failure: {e}")
     write_results(args.json, {"n": args.n, "cpus": os.cpu_count(), "rounds": rows, "wall_ratio": ratio,
-                              "target_ratio": 1.5})  # fmt: skip
+                              "target_ratio": 1.5, "database": "postgres" if args.postgres else "sqlite"})  # fmt: skip
     return 0 if all(r["succeeded"] == r["n"] for r in rows) else 1
 
 

@@ -4,6 +4,8 @@ the run to its end and read its diff."""
 from __future__ import annotations
 
 import asyncio
+import os
+import subprocess
 
 import pytest
 
@@ -59,5 +61,13 @@ def test_a_run_over_a_cloned_repository_has_its_diff(hangar, minimal_image, git_
         run = h.run("add a usage section").wait(timeout=120)
         assert run.status == "succeeded", run.info
         assert "+add a usage section" in run.diff and "TASK.md" in run.diff
+        # The CLI's `hangar run diff` prints that same diff.
+        from tests.cli.conftest import HANGAR
+
+        env = {k: v for k, v in os.environ.items() if not k.startswith("HANGAR_")}
+        shown = subprocess.run([str(HANGAR), "run", "diff", run.id], capture_output=True, text=True, timeout=60,
+                               env={**env, "HANGAR_URL": hangar, "HANGAR_TOKEN": os.environ["HANGAR_TOKEN"]})  # fmt: skip
+        assert shown.returncode == 0, shown.stderr
+        assert shown.stdout.strip() == run.diff.strip()
     finally:
         h.delete(delete_volume=True)
