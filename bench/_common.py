@@ -93,8 +93,9 @@ class Hangar:
 
 
 def start_hangar(
-    data_dir: Path, port: int, root: Path = ROOT, extra_env: dict[str, str] | None = None
-) -> Hangar:
+    data_dir: Path, port: int, root: Path = ROOT, extra_env: dict[str, str] | None = None,
+    extra_args: list[str] | None = None,
+) -> Hangar:  # fmt: skip
     """`hangar up` on the embedded default in ``data_dir``; its first start prints the admin's
     login and an API token, which this reads. ``root``: the checkout whose code it runs (another
     commit's, in a worktree of its own, for a before-and-after in one run)."""
@@ -107,7 +108,7 @@ def start_hangar(
     env.update(HANGAR_DATA_DIR=str(data_dir), PYTHONUNBUFFERED="1", HANGAR_CPU_OVERCOMMIT="16")
     env.update(extra_env or {})
     proc = subprocess.Popen(
-        [sys.executable, "-m", "dashboard.cli", "up", "--port", str(port)],
+        [sys.executable, "-m", "dashboard.cli", "up", "--port", str(port), *(extra_args or [])],
         cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )  # fmt: skip
     token = admin = password = ""
