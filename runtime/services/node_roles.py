@@ -63,6 +63,7 @@ NEVER: frozenset[str] = frozenset({
     "auth_group_permissions", "django_session", "django_admin_log", "django_migrations",
     "runtime_apitoken", "runtime_invitation", "runtime_sshkey", "runtime_nodejointoken",
     "runtime_membership", "runtime_teampolicy", "runtime_sitedefaults",
+    "runtime_noderedisuser",  # nodes' Redis users' password hashes (runtime/services/node_redis.py)
 })  # fmt: skip
 
 

@@ -104,8 +104,14 @@ def test_a_new_join_gets_a_new_password_and_a_removed_node_is_cut_off(
 ):
     first_url = _join("red-b")["redis_url"]
     assert redis.Redis.from_url(first_url, socket_timeout=5).ping()
+    old = redis.Redis.from_url(first_url, socket_timeout=5).pubsub()  # its processes, still talking
+    old.subscribe("hangar:db3:sandbox:x")
+    assert old.get_message(timeout=2)["type"] == "subscribe"
     Node.objects.filter(name="red-b").update(state=Node.State.LOST)  # a lost node may join again
     second_url = _join("red-b")["redis_url"]
+    with pytest.raises(redis.exceptions.ConnectionError):  # what talked as it before is cut off
+        for _ in range(3):
+            old.get_message(timeout=1)
     assert urlsplit(second_url).password != urlsplit(first_url).password
     with pytest.raises(redis.exceptions.AuthenticationError):
         redis.Redis.from_url(first_url, socket_timeout=5).ping()
@@ -168,3 +174,30 @@ def test_where_users_cannot_be_made_auto_hands_out_the_control_plane_s_own_and_o
     assert not Node.objects.filter(name="red-f").exists()
     settings.HANGAR_NODE_REDIS_USERS = "off"  # and the token was not spent
     assert fleet.node_join(raw=issued.raw, name="red-f", labels={})["redis_url"] == settings.REDIS_URL
+
+
+def test_with_redis_s_default_user_closed_a_node_has_only_its_own(own_redis, settings, caplog):
+    """Redis as docs/fleet.md says to run it for nodes: the control plane on a user of its own,
+    ``default`` off. A node then has its user and nothing else; with ``default`` open, ``auto``
+    warns and ``on`` refuses the join."""
+    admin = redis.Redis.from_url(own_redis)
+    with caplog.at_level("WARNING", logger="runtime.services.node_redis"):
+        _join("red-g")
+    assert "default user takes any password" in caplog.text
+    settings.HANGAR_NODE_REDIS_USERS = "on"
+    issued = fleet.join_token_create(user=None)
+    with pytest.raises(Conflict, match="requirepass"):
+        fleet.node_join(raw=issued.raw, name="red-h", labels={})
+
+    admin.execute_command("ACL", "SETUSER", "control", "on", ">cp-secret", "~*", "&*", "+@all")
+    settings.REDIS_URL = settings.CELERY_BROKER_URL = settings.CELERY_RESULT_BACKEND = own_redis.replace(
+        "redis://", "redis://control:cp-secret@"
+    )
+    redis_client.cache_clear()
+    redis.Redis.from_url(settings.REDIS_URL).execute_command("ACL", "SETUSER", "default", "off")
+    url = fleet.node_join(raw=issued.raw, name="red-h", labels={})["redis_url"]
+    assert redis.Redis.from_url(url, socket_timeout=5).ping()
+    with pytest.raises(redis.exceptions.AuthenticationError):  # no user: refused
+        redis.Redis.from_url(own_redis, socket_timeout=5).ping()
+    with pytest.raises(redis.exceptions.AuthenticationError):  # default, whatever the password
+        redis.Redis.from_url(own_redis.replace("redis://", "redis://default:x@"), socket_timeout=5).ping()

@@ -23,7 +23,6 @@ NOT_FOR_NODES = node_roles.NEVER | {
     "django_content_type",  # migrations' bookkeeping: the control plane migrates
     "runtime_pool",  # pools are refilled on the control plane
     "runtime_tracelog",  # OTLP logs arrive at the server
-    "runtime_noderedisuser",  # nodes' Redis users' password hashes: the control plane's alone
 }
 
 
