@@ -163,6 +163,7 @@ def main() -> int:
 
     work = Path(tempfile.mkdtemp(prefix="hangar-burst-"))
     hangar = None
+    database = ""
     rows: list[dict] = []
     try:
         url, token = args.url, args.token
@@ -191,7 +192,7 @@ def main() -> int:
             print(f"  {rows[-1]['succeeded']}/{args.n} in {rows[-1]['wall_s']} s", flush=True)
     finally:
         stop_hangar(hangar, work)
-        if args.postgres and not args.url:
+        if database:
             _drop_database(args.postgres, database)
 
     raw = [r["wall_s"] for r in rows if r["what"] == "raw runsc"]

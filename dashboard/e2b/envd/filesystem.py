@@ -172,7 +172,8 @@ def _snapshot(caller: Caller, path: str, recursive: bool) -> Snapshot:
 
 
 def _quiet_snapshot(caller: Caller, path: str, recursive: bool) -> Snapshot:
-    """A watch's poll: no span (the watch itself is one request, not a listing a second)."""
+    """A watch's poll (WatchDir's, or a watcher's GetWatcherEvents, which an SDK polls): no span,
+    or a watch would be a listing a second in the sandbox's traces."""
     with spans.silenced():
         return _snapshot(caller, path, recursive)
 
@@ -222,7 +223,7 @@ def _watcher(caller: Caller, message: dict[str, Any]) -> tuple[str, tuple[str, b
 @_call
 def get_watcher_events(caller: Caller, message: dict[str, Any]) -> dict[str, Any]:
     watcher_id, (path, recursive, with_entry, before) = _watcher(caller, message)
-    after = _snapshot(caller, path, recursive)
+    after = _quiet_snapshot(caller, path, recursive)
     _WATCHERS[watcher_id] = (path, recursive, with_entry, after)
     return {"events": _changes(path, before, after, with_entry)}
 
