@@ -397,13 +397,6 @@ def cmd_manage(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_mcp(args: argparse.Namespace) -> int:
-    # A client of a remote Hangar: no Django, no database, no settings (dashboard.mcp.stdio).
-    from dashboard.mcp.stdio import main as mcp_main
-
-    return mcp_main(url=args.url, token=args.token)
-
-
 def build_parser() -> argparse.ArgumentParser:
     """The server's commands alone (``python -m dashboard.cli``); the ``hangar`` command of an
     install has them too, plugged into the SDK's (:func:`register`)."""
@@ -491,17 +484,6 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     ip.add_argument("--insecure", action="store_true", help="plain HTTP / unverified TLS (local registries)")
     ip.set_defaults(fn=cmd_image)
 
-    mcp = sub.add_parser(
-        "mcp",
-        help="an MCP server on stdin/stdout for a Hangar at HANGAR_URL with HANGAR_TOKEN (docs/mcp.md)",
-    )
-    mcp.add_argument(
-        "--url", help="the Hangar's base URL (else HANGAR_URL, `hangar login`'s, HANGAR_API_URL)"
-    )
-    mcp.add_argument(
-        "--token", help="a Hangar API token (else HANGAR_TOKEN, `hangar login`'s, HANGAR_API_TOKEN)"
-    )
-    mcp.set_defaults(fn=cmd_mcp)
     manage = sub.add_parser("manage", help="run a Django management command")
     manage.add_argument("rest", nargs=argparse.REMAINDER)
     manage.set_defaults(fn=cmd_manage)

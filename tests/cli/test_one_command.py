@@ -10,8 +10,8 @@ from importlib.metadata import distribution, entry_points
 
 from tests.cli.conftest import HANGAR
 
-USER_COMMANDS = {"sandbox", "harness", "run", "volume", "login", "whoami", "completion"}
-SERVER_COMMANDS = {"up", "node", "token", "user", "team", "image", "mcp"}
+USER_COMMANDS = {"sandbox", "harness", "run", "volume", "login", "whoami", "completion", "mcp"}
+SERVER_COMMANDS = {"up", "node", "token", "user", "team", "image"}
 
 
 def _commands(help_text: str) -> set[str]:

@@ -100,7 +100,7 @@ def test_hangar_mcp_reads_the_config_file_and_says_what_is_wrong(server, team_to
 
 
 def test_hangar_mcp_finds_its_server_and_token_where_the_cli_does(monkeypatch, tmp_path):
-    from dashboard.mcp.stdio import ConfigError, remote
+    from hangar_sdk.cli.mcp import ConfigError, remote
 
     for name in ("HANGAR_URL", "HANGAR_TOKEN", "HANGAR_API_URL", "HANGAR_API_TOKEN"):
         monkeypatch.delenv(name, raising=False)

@@ -14,7 +14,7 @@ import pytest
 
 from tests.support import requires_runsc
 
-pytestmark = [requires_runsc, pytest.mark.timeout(240)]
+pytestmark = [requires_runsc, pytest.mark.timeout(420)]
 SDK = Path(__file__).resolve().parents[2] / "sdk"
 
 PROBE = """
@@ -69,3 +69,16 @@ def test_the_sdk_installs_and_works_in_a_venv_without_django(hangar, tmp_path, t
         [*hangar_cmd, "up"], capture_output=True, text=True, timeout=60, env=user_env
     )
     assert server_only.returncode == 2 and "server command" in server_only.stderr
+
+    # `hangar mcp` is the SDK's too: without its extra it says what to install; with it (the MCP
+    # SDK, still no Django) it runs, and says in words that a bad token is refused.
+    mcp = subprocess.run([*hangar_cmd, "mcp"], capture_output=True, text=True, timeout=60, env=user_env)
+    assert mcp.returncode == 2 and "pip install 'hangar-runtime-sdk[mcp]'" in mcp.stderr, mcp.stderr
+    pip = [str(venv / "bin" / "python"), "-m", "pip", "install", "-q", "--disable-pip-version-check"]
+    got = subprocess.run([*pip, f"{SDK}[mcp]"], capture_output=True, text=True, timeout=180)
+    assert got.returncode == 0, f"pip install ./sdk[mcp] failed:\n{got.stderr[-4000:]}"
+    refused = subprocess.run([*hangar_cmd, "mcp", "--token", "hgr_not_a_token"], capture_output=True, text=True,
+                             timeout=60, env=user_env, stdin=subprocess.DEVNULL)  # fmt: skip
+    assert refused.returncode == 2 and "refused the token (401)" in refused.stderr, refused.stderr
+    assert "django" not in subprocess.run([str(venv / "bin" / "python"), "-m", "pip", "list"], capture_output=True,
+                                          text=True, timeout=60).stdout.lower()  # fmt: skip

@@ -25,9 +25,22 @@ from .completion import SCRIPTS, candidates
 
 DEFAULT_URL = "http://127.0.0.1:8000"
 # Commands only a server install has: asked for on a laptop, they get a hint, not "invalid choice".
-SERVER_COMMANDS = ("up", "node", "bridge", "ssh-gateway", "token", "user", "team", "secrets", "image", "mcp",
+SERVER_COMMANDS = ("up", "node", "bridge", "ssh-gateway", "token", "user", "team", "secrets", "image",
                    "manage")  # fmt: skip
 Runner = Callable[[argparse.Namespace], int]
+
+
+def cmd_mcp(args: argparse.Namespace) -> int:
+    """An MCP client that starts its servers as commands runs this (docs/mcp.md)."""
+    try:
+        from .mcp import main as mcp_main
+    except ImportError as exc:
+        if exc.name not in ("mcp", "anyio") and not str(exc.name or "").startswith("mcp."):
+            raise
+        raise CliError(
+            "`hangar mcp` needs the MCP SDK: pip install 'hangar-runtime-sdk[mcp]'", code=2
+        ) from None
+    return mcp_main(url=args.url, token=args.token)
 
 
 def cmd_login(args: argparse.Namespace) -> int:
@@ -133,6 +146,16 @@ def build_parser(plugins: bool = True) -> tuple[argparse.ArgumentParser, argpars
     who = sub.add_parser("whoami", parents=[common], help="the token's user, team, role and scopes")
     who.add_argument("--json", action="store_true")
     who.set_defaults(fn=cmd_whoami)
+    mcp = sub.add_parser(
+        "mcp", help="an MCP server on stdin/stdout for this Hangar (needs the SDK's mcp extra)"
+    )
+    mcp.add_argument(
+        "--url", help="the Hangar's base URL (else HANGAR_URL, `hangar login`'s, HANGAR_API_URL)"
+    )
+    mcp.add_argument(
+        "--token", help="a Hangar API token (else HANGAR_TOKEN, `hangar login`'s, HANGAR_API_TOKEN)"
+    )
+    mcp.set_defaults(fn=cmd_mcp)
     comp = sub.add_parser(
         "completion", help='print a shell completion script: eval "$(hangar completion bash)"'
     )

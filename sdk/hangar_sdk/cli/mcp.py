@@ -2,14 +2,16 @@
 commands, forwarding every tool listing and call to a Hangar's ``/mcp`` with the MCP SDK's own
 streamable-HTTP client. The tools live once, on the server; this process needs no Django, no
 database and no settings: only the server's URL and a token, found where the user's CLI finds
-them (:func:`remote`)."""
+them (:func:`remote`). Part of the SDK's distribution, so a laptop with the SDK alone has it:
+the MCP SDK comes with its ``mcp`` extra (``pip install 'hangar-runtime-sdk[mcp]'``; a server
+install has it), and this module is imported only by ``hangar mcp``."""
 
 from __future__ import annotations
 
+import builtins
 import json
 import os
 import sys
-from pathlib import Path
 from typing import Any
 
 import anyio
@@ -20,16 +22,13 @@ from mcp.server.lowlevel import Server
 from mcp.server.stdio import stdio_server
 from mcp.shared._httpx_utils import create_mcp_http_client
 
+from .._config import config_path
+
 DEFAULT_URL = "http://127.0.0.1:8000"
 
 
 class ConfigError(Exception):
     pass
-
-
-def config_path() -> Path:
-    base = os.environ.get("XDG_CONFIG_HOME") or str(Path.home() / ".config")
-    return Path(base) / "hangar" / "config.json"
 
 
 def remote(url: str | None = None, token: str | None = None) -> tuple[str, str]:
@@ -111,7 +110,8 @@ def check(url: str, token: str) -> None:
 
 
 def _first(exc: BaseException) -> BaseException:
-    while isinstance(exc, BaseExceptionGroup) and exc.exceptions:
+    groups = getattr(builtins, "BaseExceptionGroup", ())  # (Python 3.10 has none of its own)
+    while groups and isinstance(exc, groups) and exc.exceptions:
         exc = exc.exceptions[0]
     return exc
 
